@@ -1,0 +1,1 @@
+"""Model helpers: the proxy LM (tokenizer, training data, training loop) and per-family cache access."""

@@ -1,0 +1,183 @@
+"""Per-family attention access and the attention function that reads per-head (ragged) caches exactly.
+
+Supported families: Llama, Mistral, Qwen2, Qwen3 (q/k RMSNorm before RoPE) and Phi3 (fused ``qkv_proj``,
+partial rotary). Anything else raises :class:`UnsupportedModelError` rather than computing a wrong result.
+
+The ragged attention path (``core_kv+<base>``, e.g. ``core_kv+sdpa``) is registered with transformers'
+``AttentionInterface``: for an ordinary rectangular cache it calls the base implementation unchanged; for a
+:class:`~core_kv.models.cache.RaggedLayer` it runs SDPA once per head group (a group keeps its query heads with
+their KV head) and concatenates the outputs. It is exact: no fake keys, no padding (see ``../shared/design/PRESSES.md``).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from core_kv.models.cache import RaggedKV
+
+SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "Phi3Attention")
+PREFIX = "core_kv+"
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or attention implementation is not one core_kv can compress exactly."""
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM (``model.model.layers``), checked for a supported attention class."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise UnsupportedModelError(f"{type(model).__name__}: no `model.layers`; core_kv supports decoder-only LMs")
+    for layer in layers:
+        name = type(layer.self_attn).__name__
+        if name not in SUPPORTED_ATTENTION:
+            raise UnsupportedModelError(
+                f"attention class {name} is not supported (supported: {', '.join(SUPPORTED_ATTENTION)})"
+            )
+    return list(layers)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [layer.self_attn for layer in decoder_layers(model)]
+
+
+def model_dims(model: nn.Module) -> dict:
+    """Layer/head geometry: ``{"layers", "heads", "kv_heads", "head_dim", "groups"}``."""
+    attn = attention_modules(model)[0]
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return {
+        "layers": cfg.num_hidden_layers,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": attn.head_dim,
+        "groups": heads // kv_heads,
+    }
+
+
+def _family(module: nn.Module):
+    return sys.modules[type(module).__module__]
+
+
+def _split_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw Q, K, V projections ``(B, T, H*D)``, ``(B, T, Hkv*D)``, ``(B, T, Hkv*D)``."""
+    if hasattr(module, "qkv_proj"):  # Phi3
+        qkv = module.qkv_proj(hidden_states)
+        q_end = module.config.num_attention_heads * module.head_dim
+        kv = module.num_key_value_heads * module.head_dim
+        return qkv[..., :q_end], qkv[..., q_end : q_end + kv], qkv[..., q_end + kv :]
+    return module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
+
+
+def prerope_queries(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Queries before RoPE (after q_norm for Qwen3), ``(B, H, T, D)``."""
+    b, t, _ = hidden_states.shape
+    q = _split_qkv(module, hidden_states)[0].view(b, t, -1, module.head_dim)
+    if hasattr(module, "q_norm"):
+        q = module.q_norm(q)
+    return q.transpose(1, 2)
+
+
+def prerope_keys(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Keys before RoPE (after k_norm for Qwen3), ``(B, Hkv, T, D)``."""
+    b, t, _ = hidden_states.shape
+    k = _split_qkv(module, hidden_states)[1].view(b, t, -1, module.head_dim)
+    if hasattr(module, "k_norm"):
+        k = module.k_norm(k)
+    return k.transpose(1, 2)
+
+
+def apply_rope(
+    module: nn.Module, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Rotate ``x`` ``(B, H, T, D)`` with the family's own RoPE (partial rotary included) at the given (cos, sin)."""
+    cos, sin = position_embeddings
+    rotated, _ = _family(module).apply_rotary_pos_emb(x, x[:, :1], cos, sin)
+    return rotated
+
+
+def queries_with_rope(module: nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """Post-RoPE queries of the current forward, ``(B, H, T, D)``."""
+    return apply_rope(module, prerope_queries(module, hidden_states), position_embeddings)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ragged attention
+
+
+def ragged_sdpa(module: nn.Module, query: torch.Tensor, kv: RaggedKV, scaling: float | None = None) -> torch.Tensor:
+    """Exact causal attention of ``query`` ``(B, H, T, D)`` over a ragged cache; returns ``(B, T, H, D)``.
+
+    The T new tokens are the last T entries of every group (they were just appended), so query t sees the first
+    ``S_g - T + t + 1`` keys of group g.
+    """
+    b, h, t, d = query.shape
+    g_size = h // kv.num_heads
+    out = query.new_empty(b, h, t, d)
+    for g in kv.groups:
+        qh = (g.heads[:, None] * g_size + torch.arange(g_size, device=g.heads.device)[None]).reshape(-1)
+        q = query[:, qh]  # (B, h_g*G, T, D)
+        k = g.keys.repeat_interleave(g_size, dim=1)  # (B, h_g*G, S_g, D)
+        v = g.values.repeat_interleave(g_size, dim=1)
+        s = k.shape[2]
+        mask = None
+        if t > 1:
+            mask = torch.arange(s, device=q.device)[None, :] <= (s - t + torch.arange(t, device=q.device))[:, None]
+        out[:, qh] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _make_wrapper(base: str):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if isinstance(key, RaggedKV):
+            if query.shape[0] != 1:
+                raise ValueError("per-head (ragged) caches support batch size 1")
+            return ragged_sdpa(module, query, key, scaling), None
+        fn = ALL_ATTENTION_FUNCTIONS[base] if base != "eager" else _family(module).eager_attention_forward
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+    return attention
+
+
+def register_attention(base: str) -> str:
+    """Register ``core_kv+<base>`` (attention function and mask function) and return its name."""
+    name = PREFIX + base
+    if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        AttentionInterface.register(name, _make_wrapper(base))
+        mask_fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(base)
+        if mask_fn is not None:
+            ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_fn)
+    return name
+
+
+@contextmanager
+def ragged_attention(model: nn.Module):
+    """Route the model's attention through ``core_kv+<its implementation>`` for the duration of the block."""
+    config = model.config
+    original = config._attn_implementation or "eager"
+    if original.startswith(PREFIX):  # nested (press inside a pipeline that already switched)
+        yield
+        return
+    name = register_attention(original)
+    configs = {id(config): config}
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", None) == original:
+            configs[id(cfg)] = cfg
+    for cfg in configs.values():
+        cfg._attn_implementation = name
+    try:
+        yield
+    finally:
+        for cfg in configs.values():
+            cfg._attn_implementation = original

@@ -1,0 +1,185 @@
+"""Context/question protocol of kvpress's pipeline (``../shared/research/kvpress.md`` §1.5, benchmarks.md §1.9).
+
+The context is prefilled under the press (compressed once); each ``question + question_suffix + answer_prefix``
+is fed on top of the compressed cache with positions continuing from the *original* context length, then decoded
+greedily up to ``max_new_tokens`` or EOS; the question and answer are trimmed from the cache afterwards, so all
+questions of a context share one compression. Without a chat template the context gets a leading BOS and the
+question suffix is ``"\\n"``; with one, the user turn is split at a separator exactly as kvpress does.
+
+Beyond kvpress: chunked prefill (each chunk attends to the compressed past), and presses with ``decoding=True``
+are re-prefilled per question (decode-time eviction changes the shared context, so it cannot be trimmed back).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from core_kv.models.cache import cache_kwarg, crop_cache, kv_bytes, layer_lengths
+from core_kv.presses.base import BasePress
+
+
+@dataclass
+class Encoded:
+    """Token ids of one context and its questions (each already joined with suffix and answer prefix)."""
+
+    context_ids: torch.Tensor  # (1, N)
+    question_ids: list[torch.Tensor]  # each (1, T_q)
+
+
+def encode(
+    tokenizer,
+    context: str,
+    questions: list[str],
+    answer_prefixes: list[str] | None = None,
+    use_chat_template: bool | None = None,
+    max_context_length: int | None = None,
+) -> Encoded:
+    """Tokenize as kvpress's pipeline does; ``max_context_length`` keeps the head of the context."""
+    answer_prefixes = answer_prefixes or [""] * len(questions)
+    if len(answer_prefixes) != len(questions):
+        raise ValueError("one answer prefix per question")
+    if use_chat_template is None:
+        use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+    if use_chat_template:
+        sep = "#" * (len(context) + 10)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + sep}], add_generation_prompt=True, tokenize=False
+        )
+        context_text, suffix = text.split(sep)
+        context_ids = tokenizer.encode(context_text, add_special_tokens=False)
+    else:
+        suffix = "\n"
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        context_ids = bos + tokenizer.encode(context, add_special_tokens=False)
+    if not context_ids:
+        raise ValueError("empty context")
+    if max_context_length is not None:
+        context_ids = context_ids[:max_context_length]
+    qs = [
+        torch.tensor([tokenizer.encode(q + suffix + a, add_special_tokens=False)])
+        for q, a in zip(questions, answer_prefixes, strict=True)
+    ]
+    return Encoded(torch.tensor([context_ids]), qs)
+
+
+def _body(model: nn.Module) -> nn.Module:
+    return getattr(model, "model", model)
+
+
+@torch.inference_mode()
+def prefill(
+    model: nn.Module,
+    context_ids: torch.Tensor,
+    press: BasePress | None = None,
+    chunk_size: int | None = None,
+    cache: DynamicCache | None = None,
+) -> DynamicCache:
+    """Run the context through the model body (no LM head) under ``press``; return the (compressed) cache.
+
+    With ``chunk_size`` the context is fed in chunks and the press compresses after each chunk, so later
+    chunks attend to the compressed past.
+    """
+    if context_ids.ndim != 2 or context_ids.shape[1] == 0:
+        raise ValueError(f"context_ids must be (B, N) with N > 0, got {tuple(context_ids.shape)}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    cache = cache if cache is not None else DynamicCache()
+    device = next(model.parameters()).device
+    context_ids = context_ids.to(device)
+    n = context_ids.shape[1]
+    with press(model) if press is not None else nullcontext():
+        if chunk_size is None or chunk_size >= n:
+            _body(model)(input_ids=context_ids, use_cache=True, **{cache_kwarg(_body(model)): cache})
+        else:
+            with press.chunked_prefill() if press is not None else nullcontext():
+                for start in range(0, n, chunk_size):
+                    chunk = context_ids[:, start : start + chunk_size]
+                    pos = torch.arange(start, start + chunk.shape[1], device=device)[None]
+                    _body(model)(
+                        input_ids=chunk, position_ids=pos, use_cache=True, **{cache_kwarg(_body(model)): cache}
+                    )
+    return cache
+
+
+@torch.inference_mode()
+def greedy_answer(
+    model: nn.Module,
+    cache: DynamicCache,
+    context_length: int,
+    question_ids: torch.Tensor,
+    max_new_tokens: int,
+    press: BasePress | None = None,
+    eos_token_ids: list[int] | None = None,
+    trim: bool = True,
+) -> list[int]:
+    """Feed ``question_ids`` on top of ``cache`` at positions ``context_length...`` and decode greedily.
+
+    The press stays installed (ragged attention, decode-time eviction, memory readout) but does not compress
+    the question unless it has ``decoding=True``. With ``trim`` the cache is restored to its pre-question size.
+    """
+    device = next(model.parameters()).device
+    eos = set(eos_token_ids if eos_token_ids is not None else _eos_ids(model))
+    before = [layer_lengths(layer) for layer in cache.layers]
+    q = question_ids.to(device)
+    pos = context_length
+    generated: list[int] = []
+    key = cache_kwarg(model)
+    with press(model) if press is not None else nullcontext():
+        ids = q
+        for _ in range(max_new_tokens):
+            position_ids = torch.arange(pos, pos + ids.shape[1], device=device)[None]
+            out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{key: cache})
+            pos += ids.shape[1]
+            token = int(out.logits[0, -1].argmax())
+            if token in eos:
+                break
+            generated.append(token)
+            ids = torch.tensor([[token]], device=device)
+    if trim:
+        crop_cache(cache, before)
+    return generated
+
+
+def _eos_ids(model: nn.Module) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def answer_questions(
+    model: nn.Module,
+    tokenizer,
+    context: str,
+    questions: list[str],
+    press: BasePress | None = None,
+    answer_prefixes: list[str] | None = None,
+    max_new_tokens: int | list[int] = 32,
+    chunk_size: int | None = None,
+    use_chat_template: bool | None = None,
+    max_context_length: int | None = None,
+) -> dict:
+    """Compress ``context`` once and answer every question on that cache.
+
+    Returns ``{"answers": [str], "context_length": N, "kv_bytes": {...}, "aux_bytes": int}``.
+    """
+    enc = encode(tokenizer, context, questions, answer_prefixes, use_chat_template, max_context_length)
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(questions)
+    n = enc.context_ids.shape[1]
+    answers, cache = [], None
+    for i, (q_ids, budget) in enumerate(zip(enc.question_ids, budgets, strict=True)):
+        if cache is None or (press is not None and press.decoding):
+            cache = prefill(model, enc.context_ids, press, chunk_size)
+            if i == 0:
+                payload = kv_bytes(cache)
+                aux = press.aux_bytes() if press is not None else 0
+        tokens = greedy_answer(model, cache, n, q_ids, budget, press)
+        answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
+    return {"answers": answers, "context_length": n, "kv_bytes": payload, "aux_bytes": aux}

@@ -1,0 +1,325 @@
+"""The press contract: score -> select -> physically evict, installed by a context manager that always unhooks.
+
+A press keeps kvpress's scoring contract so methods port both ways (``../shared/research/kvpress.md`` §1.1)::
+
+    score(module, hidden_states, keys, values, attentions, kwargs) -> (B, Hkv, S)   # higher = keep
+
+and goes beyond it where kvpress users complain (§6 there):
+
+- **Exact per-head budgets with real savings.** :meth:`BasePress.select` may return a different number of kept
+  positions per KV head; the cache layer is then replaced by a :class:`~core_kv.models.cache.RaggedLayer` (heads
+  grouped by quota, nothing padded) read by an exact per-group attention path, not by fake-key masking.
+- **Budgets** as a ``compression_ratio`` in [0, 1) (fraction removed) or an absolute ``budget`` of tokens per head;
+  ``protected_sinks`` first and ``protected_recent`` last positions always kept; a budget >= the context is a no-op.
+- **When to evict.** By default the first forward on an empty cache (prefill) is compressed and later forwards
+  (questions, generated tokens) are not, exactly as kvpress. ``decoding=True`` adds repeated eviction: whenever a
+  layer holds more than ``target + decoding_slack`` tokens after a forward it is evicted back to ``target``.
+  :meth:`BasePress.chunked_prefill` compresses after every forward (the chunked-prefill driver in
+  :mod:`core_kv.pipeline` uses it), so later chunks attend to the compressed past.
+- **Readout before W_O.** A press that overrides :meth:`BasePress.readout` gets a forward pre-hook on every
+  ``o_proj`` and may add to the concatenated per-head attention output ``(B, T, H*D)`` (CORE's latent memory).
+
+Presses register by class statement: ``class SnapKVPress(ScorerPress, name="snapkv")``.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from core_kv.models.attention import decoder_layers, ragged_attention
+from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported, layer_lengths
+
+PRESSES: dict[str, type[BasePress]] = {}
+
+Kept = torch.Tensor | list[torch.Tensor]
+"""Retained cache indices: ``(B, Hkv, k)`` sorted (same count per head) or one sorted 1-D tensor per KV head."""
+
+
+@dataclass
+class BasePress:
+    """Base of every press.
+
+    Args:
+        compression_ratio: fraction of the KV cache removed, in [0, 1). ``0`` leaves the cache untouched.
+        budget: tokens kept per KV head (on average, for per-head methods); overrides ``compression_ratio``.
+        protected_sinks: first positions always kept (inside the budget).
+        protected_recent: last positions always kept (inside the budget).
+        decoding: also evict during decoding/question tokens, whenever a layer exceeds ``target + decoding_slack``.
+        decoding_slack: tokens allowed above the target before a decode-time eviction.
+    """
+
+    compression_ratio: float = 0.0
+    budget: int | None = None
+    protected_sinks: int = 0
+    protected_recent: int = 0
+    decoding: bool = False
+    decoding_slack: int = 64
+
+    name: ClassVar[str] = ""
+    needs_attentions: ClassVar[bool] = False  # True: requires attn_implementation="eager" (observed attention)
+
+    _mode: str = field(default="auto", init=False, repr=False, compare=False)
+    _state: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            if name in PRESSES:
+                raise ValueError(f"press name {name!r} registered twice ({PRESSES[name].__name__}, {cls.__name__})")
+            cls.name = name
+            PRESSES[name] = cls
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad option."""
+        r = self.compression_ratio
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or math.isnan(r) or not 0.0 <= r < 1.0:
+            raise ValueError(f"compression_ratio must be a fraction removed in [0, 1), got {r!r}")
+        if self.budget is not None:
+            if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+                raise ValueError(f"budget must be a positive number of tokens per head, got {self.budget!r}")
+            if r > 0:
+                raise ValueError("give either compression_ratio or budget, not both")
+        for name in ("protected_sinks", "protected_recent", "decoding_slack"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+
+    # ------------------------------------------------------------------------------------------------------------
+    # What a method overrides
+
+    def score(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """Importance of every cached position, ``(B, Hkv, S)``, higher = keep (abstract)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score() (abstract)")
+
+    def layer_target(self, module: nn.Module, n: int) -> int:
+        """Tokens each KV head of this layer keeps (on average) out of ``n``; PyramidKV overrides it per layer."""
+        return self.target(n)
+
+    def select(self, scores: torch.Tensor, n_kept: int, module: nn.Module, kwargs: dict) -> Kept:
+        """Turn scores ``(B, Hkv, S)`` into retained indices; per-head top-``n_kept`` by default."""
+        idx = scores.topk(n_kept, dim=-1).indices
+        return idx.sort(dim=-1).values
+
+    def readout(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor | None:
+        """Optionally replace the pre-W_O attention output ``(B, T, H*D)``; ``None`` leaves it unchanged."""
+        return None
+
+    def aux_bytes(self) -> int:
+        """Bytes of auxiliary state the method keeps beside the KV payload (e.g. CORE's memory)."""
+        return 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Budget arithmetic
+
+    def target(self, n: int) -> int:
+        """Tokens kept per head out of ``n``: ``min(budget, n)`` or ``floor(n (1 - ratio))``, at least 1."""
+        if n <= 0:
+            raise ValueError("cannot compress an empty context")
+        if self.budget is not None:
+            return min(self.budget, n)
+        return max(1, min(n, math.floor(n * (1.0 - self.compression_ratio) + 1e-9)))
+
+    def protected(self, n_kept: int) -> tuple[int, int]:
+        """``(s, w)``: protected sinks and recent positions inside a budget of ``n_kept``."""
+        s = min(self.protected_sinks, n_kept)
+        return s, min(self.protected_recent, n_kept - s)
+
+    @property
+    def is_noop(self) -> bool:
+        return self.budget is None and self.compression_ratio == 0.0
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The eviction event
+
+    def compress(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+        n_kept: int,
+        lengths: torch.Tensor | None = None,
+    ) -> Kept:
+        """Score, protect, select. ``lengths`` ``(Hkv,)`` marks valid prefixes of a right-padded ragged cache."""
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs).float()
+        if scores.shape != keys.shape[:3]:
+            raise ValueError(
+                f"{type(self).__name__}.score returned {tuple(scores.shape)}, expected {tuple(keys.shape[:3])}"
+            )
+        if torch.isnan(scores).any():
+            raise ValueError(f"{type(self).__name__}.score produced NaN scores (layer {module.layer_idx})")
+        s = keys.shape[2]
+        pos = torch.arange(s, device=scores.device)
+        lens = torch.full((keys.shape[1],), s, device=scores.device) if lengths is None else lengths.to(scores.device)
+        sinks, recent = self.protected(n_kept)
+        invalid = pos[None, :] >= lens[:, None]  # (Hkv, S)
+        prot = (pos[None, :] < sinks) | ((pos[None, :] >= lens[:, None] - recent) & ~invalid)
+        scores = scores.masked_fill(prot[None], float("inf")).masked_fill(invalid[None], float("-inf"))
+        return self.select(scores, n_kept, module, kwargs)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Hooks
+
+    def _pre_hook(self, module: nn.Module, args, kwargs):
+        cache = cache_from_kwargs(kwargs)
+        if cache is None:
+            raise ValueError("press hooks need a KV cache: call the model with use_cache=True / past_key_values")
+        idx = module.layer_idx
+        layer = cache.layers[idx] if idx < len(cache.layers) else None
+        empty = (
+            layer is None
+            or not layer.is_initialized
+            or (not isinstance(layer, RaggedLayer) and layer.get_seq_length() == 0)
+        )
+        st = self._state.setdefault(idx, {"seen": 0})
+        if empty:
+            st["seen"] = 0
+        st["empty_before"] = empty
+
+    def _post_hook(self, module: nn.Module, args, kwargs, output):
+        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+        cache = cache_from_kwargs(kwargs)
+        idx = module.layer_idx
+        st = self._state[idx]
+        st["seen"] += hidden_states.shape[1]
+        if self.is_noop and not self.decoding:
+            return output
+        layer = cache.layers[idx]
+        lengths = layer_lengths(layer)
+        size = int(lengths.max())
+        if self._mode == "prefill" or st["empty_before"]:
+            n_kept = self.layer_target(module, size)
+            if n_kept >= size and int(lengths.min()) == size:
+                return output
+        elif self.decoding:
+            base = self.budget if self.budget is not None else self.target(st["seen"])
+            if size <= base + self.decoding_slack:
+                return output
+            n_kept = min(base, size)
+        else:
+            return output
+        check_cache_supported(cache)
+        if isinstance(layer, RaggedLayer):
+            keys, values, _ = layer.padded()
+            kept = self.compress(module, hidden_states, keys, values, None, kwargs, n_kept, lengths=lengths)
+        else:
+            keys, values = layer.keys, layer.values
+            attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            kept = self.compress(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+        self._apply(cache, idx, keys, values, kept)
+        return output
+
+    @staticmethod
+    def _apply(cache, idx: int, keys: torch.Tensor, values: torch.Tensor, kept: Kept) -> None:
+        if isinstance(kept, torch.Tensor):
+            gather = kept[..., None].expand(-1, -1, -1, keys.shape[-1])
+            new = (keys.gather(2, gather).contiguous(), values.gather(2, gather).contiguous())
+        else:
+            if keys.shape[0] != 1:
+                raise ValueError("per-head budgets need batch size 1")
+            new = RaggedLayer.from_kept(keys, values, kept)
+        if isinstance(new, RaggedLayer):
+            cache.layers[idx] = new
+        else:
+            layer = cache.layers[idx]
+            if isinstance(layer, RaggedLayer):  # back to rectangular
+                from transformers.cache_utils import DynamicLayer
+
+                layer = DynamicLayer()
+                layer.lazy_initialization(*new)
+                cache.layers[idx] = layer
+            layer.keys, layer.values = new
+
+    def _readout_hook(self, module: nn.Module, args):
+        out = self.readout(module.__dict__["_core_kv_attn"], args[0])
+        return None if out is None else (out, *args[1:])
+
+    @contextmanager
+    def __call__(self, model: nn.Module):
+        """Install the hooks on every attention layer of ``model``; they are removed on exit, whatever happens."""
+        layers = decoder_layers(model)
+        if self.needs_attentions and model.config._attn_implementation != "eager":
+            raise ValueError(
+                f"{type(self).__name__} scores from observed attention weights: load the model with "
+                "attn_implementation='eager'"
+            )
+        handles = []
+        self._state = {}
+        self._mode = "auto"
+        overrides_readout = type(self).readout is not BasePress.readout
+        try:
+            for layer in layers:
+                attn = layer.self_attn
+                handles.append(attn.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+                handles.append(attn.register_forward_hook(self._post_hook, with_kwargs=True))
+                if overrides_readout:
+                    attn.o_proj.__dict__["_core_kv_attn"] = attn
+                    handles.append(attn.o_proj.register_forward_pre_hook(self._readout_hook))
+            self.on_enter(model)
+            with ragged_attention(model):
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+            for layer in layers:
+                layer.self_attn.o_proj.__dict__.pop("_core_kv_attn", None)
+            self._mode = "auto"
+
+    def on_enter(self, model: nn.Module) -> None:
+        """Per-model setup when the press is entered (e.g. checking a checkpoint matches the model)."""
+
+    @contextmanager
+    def chunked_prefill(self):
+        """Compress after every forward in this block (each chunk of a chunked prefill)."""
+        previous, self._mode = self._mode, "prefill"
+        try:
+            yield
+        finally:
+            self._mode = previous
+
+    def config_dict(self) -> dict:
+        """The press's options, for results folders."""
+        out = {"name": self.name}
+        for f in fields(self):
+            if f.init:
+                v = getattr(self, f.name)
+                out[f.name] = v.config_dict() if isinstance(v, BasePress) else v
+        return out
+
+
+@dataclass
+class ScorerPress(BasePress):
+    """A press defined by its ``score`` alone (kvpress's ``ScorerPress``): every head keeps the same count."""
+
+
+def build_press(name: str, **kwargs) -> BasePress:
+    """Instantiate a registered press by name; unknown names and options raise ``ValueError``."""
+    import core_kv.presses  # noqa: F401  (registers the built-in presses)
+
+    if name not in PRESSES:
+        raise ValueError(f"unknown press {name!r}; registered: {', '.join(sorted(PRESSES))}")
+    cls = PRESSES[name]
+    valid = {f.name for f in fields(cls) if f.init}
+    unknown = set(kwargs) - valid
+    if unknown:
+        raise ValueError(f"press {name!r} has no option(s) {sorted(unknown)}; options: {sorted(valid)}")
+    return cls(**kwargs)
