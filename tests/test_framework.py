@@ -1,0 +1,146 @@
+"""Framework pieces: typed config loading, atomic IO, cache helpers, the ragged cache layer and pipeline."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from core_kv.config import load_config, to_dict
+from core_kv.io import atomic_write_json, read_jsonl
+from core_kv.models.attention import UnsupportedModelError, decoder_layers, ragged_sdpa
+from core_kv.models.cache import RaggedKV, RaggedLayer, kv_bytes
+from core_kv.pipeline import greedy_answer, prefill
+from core_kv.presses import build_press
+
+
+@dataclass
+class _Inner:
+    lr: float = 1e-3
+    steps: int = 10
+
+
+@dataclass
+class _Cfg:
+    name: str = "x"
+    ratios: list[float] = field(default_factory=lambda: [0.5])
+    inner: _Inner = field(default_factory=_Inner)
+
+    def __post_init__(self):
+        if self.inner.steps < 0:
+            raise ValueError("steps must be >= 0")
+
+
+def test_config_yaml_and_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("inner:\n  lr: 0.01\n")
+    cfg = load_config(_Cfg, [str(y), "inner.steps=3", "ratios=[0.25,0.75]"])
+    assert isinstance(cfg, _Cfg) and cfg.inner.lr == 0.01 and cfg.inner.steps == 3 and cfg.ratios == [0.25, 0.75]
+    assert to_dict(cfg)["inner"] == {"lr": 0.01, "steps": 3}
+
+
+@pytest.mark.parametrize("argv", [["nope=1"], ["inner.steps=abc"], ["inner.steps=-1"], ["missing.yaml"], ["what"]])
+def test_config_errors(argv):
+    with pytest.raises((ValueError, FileNotFoundError)):
+        load_config(_Cfg, argv)
+
+
+def test_atomic_json_and_corrupt_jsonl(tmp_path):
+    p = atomic_write_json(tmp_path / "a" / "m.json", {"x": 1})
+    assert json.loads(p.read_text()) == {"x": 1}
+    assert [f.name for f in p.parent.iterdir()] == ["m.json"]  # no temp files left
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"a": 1}\n{"a": ')
+    with pytest.raises(ValueError, match="corrupt"):
+        read_jsonl(bad)
+
+
+def _naive_attention(q, k, v, keep):
+    """Dense causal attention with evicted positions masked per KV head; q (1,H,T,D), k/v (1,Hkv,S,D)."""
+    h, t, g = q.shape[1], q.shape[2], q.shape[1] // k.shape[1]
+    s = k.shape[2]
+    out = torch.empty_like(q)
+    for head in range(h):
+        kv = head // g
+        scores = q[0, head] @ k[0, kv].T / q.shape[-1] ** 0.5  # (T, S)
+        allowed = keep[kv][None, :] & (torch.arange(s)[None, :] <= (s - t + torch.arange(t))[:, None])
+        out[0, head] = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v[0, kv]
+    return out.transpose(1, 2)
+
+
+def test_ragged_attention_matches_masked_dense():
+    torch.manual_seed(0)
+    s, t, d = 40, 3, 8
+    k, v = torch.randn(1, 2, s, d), torch.randn(1, 2, s, d)
+    q = torch.randn(1, 4, t, d)
+    past = s - t
+    kept = [torch.tensor(sorted(set(range(0, past, 2)))), torch.tensor(list(range(past - 11, past)))]
+    layer = RaggedLayer.from_kept(k[:, :, :past], v[:, :, :past], kept)
+    assert isinstance(layer, RaggedLayer) and layer.lengths().tolist() == [len(kept[0]), 11]
+    view, _ = layer.update(k[:, :, past:], v[:, :, past:])
+    keep = torch.zeros(2, s, dtype=torch.bool)
+    for h in range(2):
+        keep[h, kept[h]] = True
+        keep[h, past:] = True
+    assert torch.allclose(ragged_sdpa(None, q, view), _naive_attention(q, k, v, keep), atol=1e-5)
+    assert layer.nbytes() == 2 * 4 * d * (len(kept[0]) + 11 + 2 * t)  # fp32, nothing padded
+    assert isinstance(view, RaggedKV)
+
+
+def test_equal_quotas_stay_rectangular():
+    k = torch.randn(1, 2, 10, 4)
+    out = RaggedLayer.from_kept(k, k, [torch.tensor([1, 3]), torch.tensor([0, 9])])
+    assert isinstance(out, tuple) and out[0].shape == (1, 2, 2, 4)
+    assert torch.equal(out[0][0, 1], k[0, 1, [0, 9]])
+
+
+def test_full_press_reproduces_uncompressed_answer(llama):
+    ids, q = torch.randint(0, 256, (1, 120)), torch.randint(0, 256, (1, 5))
+    ref = greedy_answer(llama, prefill(llama, ids), 120, q, 8)
+    press = build_press("full")
+    assert greedy_answer(llama, prefill(llama, ids, press), 120, q, 8, press) == ref
+
+
+def test_chunked_prefill_full_equals_one_shot(llama):
+    ids, q = torch.randint(0, 256, (1, 100)), torch.randint(0, 256, (1, 4))
+    one = prefill(llama, ids)
+    chunked = prefill(llama, ids, build_press("full"), chunk_size=32)
+    assert torch.allclose(one.layers[0].keys, chunked.layers[0].keys, atol=1e-5)
+    assert greedy_answer(llama, one, 100, q, 6) == greedy_answer(llama, chunked, 100, q, 6)
+
+
+def test_kv_bytes_counts_payload(llama):
+    press = build_press("knorm", compression_ratio=0.75)
+    cache = prefill(llama, torch.randint(0, 256, (1, 64)), press)
+    info = kv_bytes(cache)
+    assert info["tokens_per_head"] == [[16, 16], [16, 16]]
+    assert info["total"] == 2 * 2 * (2 * 16 * 16 * 4)  # layers * (K+V) * (Hkv * S * D * fp32)
+
+
+def test_hooks_removed_even_on_error(llama):
+    press = build_press("knorm", compression_ratio=0.5)
+    with pytest.raises(RuntimeError), press(llama):
+        raise RuntimeError("boom")
+    for layer in decoder_layers(llama):
+        assert not layer.self_attn._forward_hooks and not layer.self_attn._forward_pre_hooks
+    assert llama.config._attn_implementation == "sdpa"
+
+
+def test_unsupported_architecture_raises():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError), build_press("knorm", compression_ratio=0.5)(model):
+        pass
+
+
+def test_supported_families_run(llama):
+    for family in ("qwen3", "mistral", "qwen2", "phi3"):
+        model = tiny_model(family)
+        press = build_press("knorm", compression_ratio=0.5)
+        cache = prefill(model, torch.randint(0, 256, (1, 50)), press)
+        assert kv_bytes(cache)["tokens_per_head"] == [[25, 25], [25, 25]]
+        assert len(greedy_answer(model, cache, 50, torch.randint(0, 256, (1, 3)), 3, press)) <= 3
