@@ -1,10 +1,11 @@
-"""Per-sample scorers for RULER, LongBench v1 and LooGLE, reproduced from the reference code.
+"""Scorers for RULER, LongBench v1 and LooGLE, reproduced from the reference code.
 
-Every registered metric has one signature, ``metric(prediction, answers, **kwargs) -> float``, and returns a
-per-sample score on a **0–100** scale. A task score is the mean over samples (``task_score``), which is how
-RULER and LongBench report (``../shared/research/benchmarks.md`` §1.2, §2.3). LooGLE's own tables print
-fractions (0–1); divide by 100 to compare. LooGLE cloze is pooled over masks, not averaged over samples: use
-``cloze_match_counts`` for the official number (§3).
+``METRICS`` maps a name (``Sample.metric``) to a ``Metric``: called as ``metric(prediction, answers, **kwargs)`` it
+returns the per-sample score on a **0–100** scale. Task scores must come from ``task_score``, which applies the
+reference's own arithmetic to the reference's own per-sample values (fractions in 0–1): RULER computes
+``round(sum / n * 100, 2)``, LongBench ``round(100 * sum / n, 2)``, LooGLE cloze pools ``Σ matched / Σ masks``.
+Averaging the 0–100 per-sample values instead differs in the last floating-point bit, which flips the rounded
+score on ``.xx5`` ties — common with RULER's 1/3, 1/4 fractions (``../shared/research/benchmarks.md`` §1.2, §2.3, §3).
 
 Sources reproduced (with attribution; RULER Apache-2.0, LongBench MIT, LooGLE MIT, kvpress Apache-2.0):
 
@@ -12,7 +13,8 @@ Sources reproduced (with attribution; RULER Apache-2.0, LongBench MIT, LooGLE MI
   ``scripts/eval/evaluate.py::postprocess_pred`` (§1.2).
 - LongBench ``LongBench/metrics.py`` + ``LongBench/eval.py`` (§2.3), including the first-line cut that
   ``eval.py`` applies to trec, triviaqa, samsum and lsht: those tasks use the ``*_first_line`` metrics.
-- LooGLE ``Evaluation/automatic_metrics.py`` + ``automatic_eval.py`` and kvpress's LooGLE copy (§3).
+- LooGLE ``Evaluation/automatic_metrics.py`` + ``automatic_eval.py`` and kvpress's LooGLE copy (§3). LooGLE's own
+  tables print fractions (0–1); ours are ×100.
 
 Scorer packages (§5.1): ``rouge==1.0.1`` (not ``rouge-score``), ``jieba``, ``nltk`` (BLEU; METEOR needs a local
 WordNet and never downloads). LongBench ``code_sim`` is fuzzywuzzy 0.18.0's difflib path, reimplemented here so
@@ -32,15 +34,13 @@ import string
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from core_kv.eval.schema import Sample
 
-Metric = Callable[..., float]
-METRICS: dict[str, Metric] = {}
-
-# Sample.extra keys that score_sample forwards to metrics (classification needs the label set).
+# Sample.extra keys that score_sample / task_score forward to metrics (classification needs the label set).
 SIDE_INPUTS = ("all_classes",)
 
 
@@ -48,29 +48,70 @@ class MetricUnavailableError(RuntimeError):
     """A metric needs something this machine does not have (model weights, an API, a corpus)."""
 
 
-def register(name: str) -> Callable[[Metric], Metric]:
-    """Register ``fn(prediction, answers, **kwargs) -> float`` (0–100) under ``name`` in ``METRICS``."""
+@dataclass(frozen=True)
+class Metric:
+    """A registered scorer: the reference's per-sample function and the formula its task score uses.
 
-    def wrap(fn: Metric) -> Metric:
+    Attributes:
+        name: registry name.
+        fraction: ``fraction(prediction, answers, **kwargs) -> float`` in 0–1, exactly the reference's value.
+        formula: ``"ruler"`` (``sum / n * 100``), ``"mean"`` (``100 * sum / n``; LongBench, LooGLE similarity) or
+            ``"pooled"`` (``100 * Σ matched / Σ counted``; LooGLE cloze, which then needs ``counts``).
+        counts: for ``"pooled"``: ``counts(prediction, answers, **kwargs) -> (matched, counted)``.
+    """
+
+    name: str
+    fraction: Callable[..., float]
+    formula: str = "mean"
+    counts: Callable[..., tuple[int, int]] | None = None
+
+    def __call__(self, prediction: str, answers: Sequence[str], **kwargs) -> float:
+        """Per-sample score on 0–100."""
+        return 100 * self.fraction(prediction, answers, **kwargs)
+
+
+METRICS: dict[str, Metric] = {}
+
+
+def register(name: str, formula: str = "mean", counts: Callable[..., tuple[int, int]] | None = None):
+    """Decorator: register a per-sample 0–1 function under ``name`` (see ``Metric``); returns it unchanged."""
+    if formula not in ("ruler", "mean", "pooled") or (formula == "pooled") != (counts is not None):
+        raise ValueError(f"metric {name!r}: formula must be ruler/mean, or pooled with counts")
+
+    def wrap(fn: Callable[..., float]) -> Callable[..., float]:
         if name in METRICS:
             raise ValueError(f"metric {name!r} is already registered")
-        METRICS[name] = fn
+        METRICS[name] = Metric(name, fn, formula, counts)
         return fn
 
     return wrap
 
 
+def _get(metric: str) -> Metric:
+    if metric not in METRICS:
+        raise KeyError(f"unknown metric {metric!r}; registered: {sorted(METRICS)}")
+    return METRICS[metric]
+
+
+def _check_answers(metric: str, answers: Sequence[str]) -> list[str]:
+    if isinstance(answers, str):
+        raise TypeError("answers must be a list of strings, not a single string")
+    if len(answers) == 0:
+        raise ValueError(f"{metric}: no reference answers to score against")
+    return list(answers)
+
+
 def score(metric: str, prediction: str, answers: Sequence[str], **kwargs) -> float:
-    """Score one prediction against its reference answers.
+    """Score one prediction against its reference answers (benchmarks.md §1.2, §2.3, §3).
 
     Args:
         metric: a name in ``METRICS`` (a ``Sample.metric``).
         prediction: the generated text only (the answer prefix is not part of it).
         answers: the reference answers of the sample; must be non-empty.
-        **kwargs: side inputs, e.g. ``all_classes`` for LongBench ``classification`` (benchmarks.md §2.3).
+        **kwargs: side inputs, e.g. ``all_classes`` for LongBench ``classification``.
 
     Returns:
-        The per-sample score on 0–100.
+        The per-sample score on 0–100. For a task score use ``task_score``, not the mean of these.
 
     Raises:
         KeyError: unknown metric name.
@@ -78,30 +119,52 @@ def score(metric: str, prediction: str, answers: Sequence[str], **kwargs) -> flo
         MetricUnavailableError: the metric cannot run offline (LooGLE BERTScore / GPT-4 judge, or METEOR
             without a local WordNet).
     """
-    if metric not in METRICS:
-        raise KeyError(f"unknown metric {metric!r}; registered: {sorted(METRICS)}")
-    if isinstance(answers, str):
-        raise TypeError("answers must be a list of strings, not a single string")
-    if len(answers) == 0:
-        raise ValueError(f"{metric}: no reference answers to score against")
-    return float(METRICS[metric](prediction, list(answers), **kwargs))
+    m = _get(metric)
+    return float(m(prediction, _check_answers(metric, answers), **kwargs))
+
+
+def _side_inputs(sample: Sample) -> dict:
+    return {k: sample.extra[k] for k in SIDE_INPUTS if sample.extra.get(k) is not None}
 
 
 def score_sample(sample: Sample, prediction: str) -> float:
     """``score(sample.metric, prediction, sample.answers)`` with the side inputs kept in ``sample.extra``."""
-    side = {k: sample.extra[k] for k in SIDE_INPUTS if sample.extra.get(k) is not None}
-    return score(sample.metric, prediction, sample.answers, **side)
+    return score(sample.metric, prediction, sample.answers, **_side_inputs(sample))
 
 
-def task_score(per_sample: Sequence[float]) -> float:
-    """Mean of per-sample 0–100 scores rounded to 2 decimals, as RULER and LongBench report a task (§1.2, §2.3).
+def task_score(samples: Sequence[Sample], predictions: Sequence[str], metric: str | None = None) -> float:
+    """Task score on 0–100 with the reference's arithmetic (benchmarks.md §1.2, §2.3, §3).
 
-    Upstream computes ``round(100 * sum(fractions) / n, 2)``; summing already-scaled values can differ in the last
-    floating-point bit, which moves the rounded value only on an exact ``.xx5`` tie.
+    Args:
+        samples: the samples of one task.
+        predictions: one generated text per sample, same order.
+        metric: metric name; default: the samples' shared ``Sample.metric``.
+
+    Returns:
+        RULER: ``round(Σ fraction / n * 100, 2)``; LongBench: ``round(100 * Σ fraction / n, 2)``; LooGLE
+        similarity: the same mean, rounded to 2; LooGLE cloze: ``round(100 * Σ matched / Σ masks, 2)``.
+
+    Raises:
+        ValueError: no samples, a length mismatch, or samples with different metrics.
     """
-    if len(per_sample) == 0:
-        raise ValueError("cannot average an empty list of scores")
-    return round(sum(per_sample) / len(per_sample), 2)
+    if len(samples) != len(predictions):
+        raise ValueError(f"{len(samples)} samples but {len(predictions)} predictions")
+    if len(samples) == 0:
+        raise ValueError("cannot score an empty task")
+    if metric is None:
+        names = {s.metric for s in samples}
+        if len(names) != 1:
+            raise ValueError(f"samples use different metrics {sorted(names)}; score one task at a time")
+        metric = names.pop()
+    m = _get(metric)
+    args = [(p, _check_answers(metric, s.answers), _side_inputs(s)) for s, p in zip(samples, predictions, strict=True)]
+    if m.formula == "pooled":
+        counts = [m.counts(p, a, **kw) for p, a, kw in args]
+        return round(100 * sum(c[0] for c in counts) / sum(c[1] for c in counts), 2)
+    total = sum(m.fraction(p, a, **kw) for p, a, kw in args)
+    if m.formula == "ruler":
+        return round(total / len(args) * 100, 2)
+    return round(100 * total / len(args), 2)
 
 
 # ----------------------------------------------------------------------------------------------------------- RULER
@@ -117,23 +180,23 @@ def ruler_postprocess(prediction: str) -> str:
     return _CONTROL_CHARS.sub("\n", prediction.strip()).strip()
 
 
-@register("string_match_all")
+@register("string_match_all", formula="ruler")
 def string_match_all(prediction: str, answers: Sequence[str], **_) -> float:
-    """RULER ``string_match_all``: 100 × fraction of references found, case-insensitive substrings (§1.2)."""
+    """RULER ``string_match_all`` for one sample: fraction of references found as case-insensitive substrings."""
     pred = ruler_postprocess(prediction).lower()
-    return sum(1.0 if r.lower() in pred else 0.0 for r in answers) / len(answers) * 100
+    return sum(1.0 if r.lower() in pred else 0.0 for r in answers) / len(answers)
 
 
-@register("string_match_part")
+@register("string_match_part", formula="ruler")
 def string_match_part(prediction: str, answers: Sequence[str], **_) -> float:
-    """RULER ``string_match_part``: 100 if any reference is a case-insensitive substring, else 0 (§1.2)."""
+    """RULER ``string_match_part`` for one sample: 1 if any reference is a case-insensitive substring, else 0."""
     pred = ruler_postprocess(prediction).lower()
-    return max(1.0 if r.lower() in pred else 0.0 for r in answers) * 100
+    return max(1.0 if r.lower() in pred else 0.0 for r in answers)
 
 
 # ------------------------------------------------------------------------------------------------------- LongBench
 # Each LongBench function below scores one (prediction, ground_truth) pair on 0–1, verbatim in behaviour with
-# LongBench/metrics.py; ``_longbench`` adds eval.py's max over ground truths, its first-line cut and the ×100.
+# LongBench/metrics.py; ``_longbench`` adds eval.py's max over ground truths and its first-line cut.
 
 _ZH_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
 _EN_PUNCT = set(string.punctuation)
@@ -272,7 +335,7 @@ def longbench_first_line(prediction: str) -> str:
     return prediction.lstrip("\n").split("\n")[0]
 
 
-def _longbench(fn: Callable[..., float], first_line: bool = False, needs_classes: bool = False) -> Metric:
+def _longbench(fn: Callable[..., float], first_line: bool = False, needs_classes: bool = False):
     def metric(prediction: str, answers: Sequence[str], **kwargs) -> float:
         if first_line:
             prediction = longbench_first_line(prediction)
@@ -284,9 +347,9 @@ def _longbench(fn: Callable[..., float], first_line: bool = False, needs_classes
         best = 0.0  # eval.py: max over ground truths, starting from 0
         for ground_truth in answers:
             best = max(best, fn(prediction, ground_truth, **extra))
-        return 100 * best
+        return best
 
-    metric.__doc__ = f"LongBench {fn.__name__} ×100, max over answers{' after the first-line cut' * first_line}."
+    metric.__doc__ = f"LongBench {fn.__name__}, max over answers{' after the first-line cut' * first_line} (0–1)."
     return metric
 
 
@@ -414,12 +477,12 @@ def cloze_match_counts(prediction: str, answer: str, partial: bool = False) -> t
     return matched, count
 
 
-def _loogle_similarity(pick: Callable[[str, str], float], label: str) -> Metric:
+def _loogle_similarity(pick: Callable[[str, str], float], label: str):
     def metric(prediction: str, answers: Sequence[str], **_) -> float:
         hyp = _loogle_hypothesis(prediction)
-        return 100 * max(pick(ref, hyp) for ref in answers)
+        return max(pick(ref, hyp) for ref in answers)
 
-    metric.__doc__ = f"LooGLE {label} ×100 against the best answer (0–100)."
+    metric.__doc__ = f"LooGLE {label} against the best answer (0–1)."
     return metric
 
 
@@ -431,16 +494,25 @@ register("loogle_rougeL")(_loogle_similarity(lambda r, h: rouge_recalls(r, h)[2]
 register("loogle_meteor")(_loogle_similarity(meteor, "METEOR"))
 
 
-@register("loogle_cloze_exact")
-def loogle_cloze_exact(prediction: str, answers: Sequence[str], **_) -> float:
-    """LooGLE cloze exact match for one sample: 100 × matched/masks (pool with ``cloze_match_counts``)."""
-    return max(100 * m / c for m, c in (cloze_match_counts(prediction, a) for a in answers))
+def _cloze_counts(partial: bool):
+    def counts(prediction: str, answers: Sequence[str], **_) -> tuple[int, int]:
+        # LooGLE cloze rows have one answer; with several, the best-matching one counts.
+        return max((cloze_match_counts(prediction, a, partial=partial) for a in answers), key=lambda mc: mc[0] / mc[1])
+
+    return counts
 
 
-@register("loogle_cloze_partial")
-def loogle_cloze_partial(prediction: str, answers: Sequence[str], **_) -> float:
-    """LooGLE cloze partial match for one sample: 100 × matched/masks (pool with ``cloze_match_counts``)."""
-    return max(100 * m / c for m, c in (cloze_match_counts(prediction, a, partial=True) for a in answers))
+def _cloze_fraction(partial: bool):
+    def fraction(prediction: str, answers: Sequence[str], **_) -> float:
+        matched, count = _cloze_counts(partial)(prediction, answers)
+        return matched / count
+
+    fraction.__doc__ = f"LooGLE cloze {'partial' if partial else 'exact'} match of one sample: matched / masks."
+    return fraction
+
+
+register("loogle_cloze_exact", formula="pooled", counts=_cloze_counts(False))(_cloze_fraction(False))
+register("loogle_cloze_partial", formula="pooled", counts=_cloze_counts(True))(_cloze_fraction(True))
 
 
 @register("loogle_bertscore")
