@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
+from core_kv.eval import hub
 from core_kv.eval.schema import Sample
 
 DATASET_ID = "Xnhyacinth/LongBench"
@@ -357,47 +357,6 @@ def _check_task(task: str) -> None:
     raise ValueError(f"unknown LongBench task {task!r}{hint}; choose from {list(TASKS)}")
 
 
-def _local_files(task: str, source: str | os.PathLike | Mapping) -> list[Path]:
-    if isinstance(source, Mapping):
-        if task not in source:
-            raise FileNotFoundError(f"LongBench task {task!r}: no entry in the source mapping {sorted(source)}")
-        paths = [Path(source[task])]
-    else:
-        folder = Path(source)
-        paths = [folder / f"{task}{ext}" for ext in (".jsonl", ".json", ".parquet")]
-        paths = [p for p in paths if p.is_file()][:1] or sorted(
-            p for p in (folder / task).glob("*") if p.suffix in (".parquet", ".jsonl", ".json")
-        )
-        if not paths:
-            raise FileNotFoundError(
-                f"LongBench task {task!r}: no {task}.jsonl, {task}.json, {task}.parquet or {task}/*.parquet in {folder}"
-            )
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"LongBench task {task!r}: {p} does not exist")
-    return paths
-
-
 def _load_rows(task: str, source, revision: str, max_samples: int | None) -> list[dict]:
-    import datasets
-
-    if source is None:
-        try:
-            ds = datasets.load_dataset(DATASET_ID, data_dir=task, split="test", revision=revision)
-        except Exception as e:  # any hub failure (offline mode, no network, missing revision) gets one clear message
-            raise RuntimeError(
-                f"could not load LongBench task {task!r} from the Hugging Face hub dataset {DATASET_ID!r} "
-                f"(data_dir={task!r}, revision={revision!r}): {type(e).__name__}: {e}. Offline, pass "
-                f"source=<folder with {task}.jsonl> (rows in the Xnhyacinth/LongBench or THUDM/LongBench layout, "
-                f"e.g. a copy of the hub's {task}/ parquet folder) or source={{{task!r}: <file>}}"
-            ) from e
-    else:
-        paths = _local_files(task, source)
-        builder = "parquet" if paths[0].suffix == ".parquet" else "json"
-        try:
-            ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
-        except StopIteration as e:  # what the json builder raises on an empty file
-            raise ValueError(f"LongBench task {task!r}: the dataset has no rows ({', '.join(map(str, paths))})") from e
-    if max_samples is not None:
-        ds = ds.select(range(min(max_samples, len(ds))))
-    return list(ds)
+    hint = "rows in the Xnhyacinth/LongBench or THUDM/LongBench layout, e.g. a copy of the hub's task parquet folder"
+    return hub.load_rows("LongBench", DATASET_ID, task, source, revision, hint, max_samples)

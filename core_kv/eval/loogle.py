@@ -26,9 +26,8 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
-from core_kv.eval import scorers
+from core_kv.eval import hub, scorers
 from core_kv.eval.schema import Sample
 
 DATASET_ID = "simonjegou/loogle"
@@ -250,43 +249,6 @@ def _check_task(task: str) -> None:
         raise ValueError(f"unknown LooGLE task {task!r}{hint}; choose from {list(TASKS)}")
 
 
-def _local_files(task: str, source: str | os.PathLike | Mapping) -> list[Path]:
-    if isinstance(source, Mapping):
-        if task not in source:
-            raise FileNotFoundError(f"LooGLE task {task!r}: no entry in the source mapping {sorted(source)}")
-        paths = [Path(source[task])]
-    else:
-        folder = Path(source)
-        paths = [p for p in (folder / f"{task}{ext}" for ext in (".jsonl", ".json", ".parquet")) if p.is_file()][:1]
-        paths = paths or sorted(p for p in (folder / task).glob("*") if p.suffix in (".parquet", ".jsonl", ".json"))
-        if not paths:
-            raise FileNotFoundError(
-                f"LooGLE task {task!r}: no {task}.jsonl, {task}.json, {task}.parquet or {task}/*.parquet in {folder}"
-            )
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"LooGLE task {task!r}: {p} does not exist")
-    return paths
-
-
 def _load_rows(task: str, source, revision: str) -> list[dict]:
-    import datasets
-
-    if source is None:
-        try:
-            ds = datasets.load_dataset(DATASET_ID, data_dir=task, split="test", revision=revision)
-        except Exception as e:  # any hub failure (offline mode, no network, missing revision) gets one clear message
-            raise RuntimeError(
-                f"could not load LooGLE task {task!r} from the Hugging Face hub dataset {DATASET_ID!r} "
-                f"(data_dir={task!r}, revision={revision!r}): {type(e).__name__}: {e}. Offline, pass "
-                f"source=<folder with {task}.jsonl> (rows in the simonjegou/loogle layout or LooGLE's raw layout, "
-                f"e.g. LooGLE-testdata/{task}.jsonl) or source={{{task!r}: <file>}}"
-            ) from e
-    else:
-        paths = _local_files(task, source)
-        builder = "parquet" if paths[0].suffix == ".parquet" else "json"
-        try:
-            ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
-        except StopIteration as e:  # what the json builder raises on an empty file
-            raise ValueError(f"LooGLE task {task!r}: the dataset has no rows ({', '.join(map(str, paths))})") from e
-    return list(ds)
+    hint = "rows in the simonjegou/loogle layout or LooGLE's raw layout, e.g. LooGLE-testdata/<task>.jsonl"
+    return hub.load_rows("LooGLE", DATASET_ID, task, source, revision, hint)
