@@ -1,0 +1,339 @@
+"""Seeded training sequences for the proxy LM, in RULER's task formats, with the evaluation essays held out.
+
+Formats follow ``shared/research/benchmarks.md`` §1.2-1.4 string for string (templates, the singular-form rewrite,
+needle sentences, noise line, ``" ".join`` of essay sentences, ``"\\n".join`` of lines, query joins). The training
+recipe follows ``shared/research/proxy_feasibility.md``:
+
+- needle values (random digits) are masked out of the LM loss; answer tokens are flagged for a separate, weighted
+  answer loss;
+- multi-needle sequences append several question/answer pairs (a training-only augmentation that adds retrieval
+  targets per sequence);
+- each batch draws one target length from the current curriculum phase and holds about ``tokens_per_step`` tokens.
+
+Held-out essays: RULER's essay haystack is the 49 essays sorted and concatenated (``resources.essays_text``); at
+evaluation lengths it uses only its first words. Every essay that overlaps the first ``HELD_OUT_WORDS`` words is
+excluded from training (``held_out_essays``), so evaluation haystacks are unseen text. Seed 42 (RULER's evaluation
+seed) is refused.
+
+Each sequence is tokenized in segments (prompt, answer, next question, ...) so that a training prompt is tokenized
+exactly as the evaluation prompt ``input + answer_prefix`` is, and the answer tokens are those greedy decoding emits.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from core_kv.eval.resources import essay_files, sent_tokenize, words
+from core_kv.models.proxy_tokenizer import NOISE_LINE
+
+RULER_SEED = 42
+HELD_OUT_WORDS = 16_000  # words of RULER's haystack prefix kept unseen (≈27k proxy tokens, far beyond 4k contexts)
+DEPTHS = [round(i * 100 / 39) for i in range(40)]  # round(linspace(0, 100, 40)), RULER's needle depths
+
+NIAH_TEMPLATE = (
+    "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+    "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?"
+)
+NIAH_ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
+NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
+VT_TEMPLATE = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above."
+)
+VT_ANSWER_PREFIX = (
+    " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned "
+    "the value {query}, they are: "
+)
+TASKS = (
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "mk_noise",  # training only: 2-4 needles in noise, several singular questions
+    "vt",
+    "lm",  # plain essay text
+)
+
+
+def _singular(s: str) -> str:
+    """RULER's rewrite for one key and one value (benchmarks.md §1.2), applied to the template before formatting."""
+    return s.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
+
+
+def niah_prompt(context: str, type_v: str, query: str, singular: bool) -> tuple[str, str]:
+    """RULER's NIAH ``(input, answer_prefix)`` for a built context; ``type_v`` is ``numbers`` or ``uuids``."""
+    tmpl, pref = NIAH_TEMPLATE, NIAH_ANSWER_PREFIX
+    tv = type_v
+    if singular:
+        tmpl, pref, tv = _singular(tmpl), _singular(pref), type_v[:-1]
+    return tmpl.format(type_needle_v=tv, context=context, query=query), pref.format(type_needle_v=tv, query=query)
+
+
+def join_query(keys: list[str]) -> str:
+    return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + ", and " + keys[-1]
+
+
+def essay_word_counts() -> list[tuple[str, int]]:
+    """``(file stem, word count)`` of the 49 essays in RULER's concatenation order."""
+    return [(f.stem, len(f.read_text(encoding="utf-8").split())) for f in essay_files()]
+
+
+def held_out_essays(words_prefix: int = HELD_OUT_WORDS) -> frozenset[str]:
+    """Stems of the essays overlapping the first ``words_prefix`` words of RULER's essay haystack."""
+    out, start = set(), 0
+    for stem, n in essay_word_counts():
+        if start < words_prefix:
+            out.add(stem)
+        start += n
+    return frozenset(out)
+
+
+@lru_cache(maxsize=1)
+def training_sentences() -> tuple[str, ...]:
+    """Punkt sentences of the training essays (all essays but the held-out ones), in file order."""
+    held = held_out_essays()
+    sents: list[str] = []
+    for f in essay_files():
+        if f.stem in held:
+            continue
+        text = re.sub(r"\s+", " ", f.read_text(encoding="utf-8")).strip()
+        sents.extend(sent_tokenize(text))
+    return tuple(sents)
+
+
+@dataclass
+class Sequence:
+    """One training sequence. ``lm[i]``/``ans[i]`` describe the target token ``ids[i]`` (predicted at ``i-1``)."""
+
+    ids: list[int]
+    lm: list[int]  # 1 = in the LM loss
+    ans: list[int]  # k > 0 = token of the k-th answer, 0 = not an answer
+    task: str
+
+
+@dataclass
+class Generator:
+    """Draws RULER-format training sequences of a requested token length.
+
+    Args:
+        tokenizer: The proxy tokenizer (its post-processor adds bos).
+        seed: Any seed but 42.
+        kvpress_newline: Probability of the kvpress join ``question + " \\n" + answer_prefix`` instead of RULER's
+            plain ``input + answer_prefix`` (both layouts occur in evaluation harnesses).
+    """
+
+    tokenizer: object
+    seed: int
+    kvpress_newline: float = 0.3
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.seed == RULER_SEED:
+            raise ValueError("seed 42 is RULER's evaluation seed; training data must use another one")
+        self.rng = random.Random(self.seed)
+        self.adjs = words("adjectives")
+        self.nouns = words("nouns")
+        self.sents = training_sentences()
+        self.sent_tokens = [len(x) for x in self._tok(list(self.sents))]
+        self.noise_tokens = len(self._tok([NOISE_LINE])[0]) + 1
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+    def _tok(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def _key(self) -> str:
+        return f"{self.rng.choice(self.adjs)}-{self.rng.choice(self.nouns)}"
+
+    def _keys(self, n: int) -> list[str]:
+        keys: list[str] = []
+        while len(keys) < n:
+            k = self._key()
+            if k not in keys:
+                keys.append(k)
+        return keys
+
+    def _number(self) -> str:
+        return str(self.rng.randint(10**6, 10**7 - 1))
+
+    def _uuid(self) -> str:
+        return str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+
+    def _essay(self, budget: int) -> list[str]:
+        """Consecutive training sentences totalling about ``budget`` tokens, from a random start."""
+        i = self.rng.randrange(len(self.sents))
+        out, used = [], 0
+        while used < budget or not out:
+            out.append(self.sents[i])
+            used += self.sent_tokens[i] + 1
+            i = (i + 1) % len(self.sents)
+        if len(out) > 1 and used > budget:
+            out.pop()
+        return out
+
+    def _essay_context(self, needles: list[str], budget: int) -> str:
+        sents = self._essay(budget)
+        depths = sorted(int(len(sents) * d / 100) for d in self.rng.sample(DEPTHS, len(needles)))
+        parts, last = [], 0
+        for pos, needle in zip(depths, needles, strict=True):
+            parts.extend(sents[last:pos])
+            parts.append(needle)
+            last = pos
+        parts.extend(sents[last:])
+        return " ".join(parts)
+
+    def _lines_context(self, lines: list[str], needles: list[str]) -> str:
+        positions = sorted((self.rng.randrange(len(lines) + 1) for _ in needles), reverse=True)
+        for pos, needle in zip(positions, needles, strict=True):
+            lines.insert(pos, needle)
+        return "\n".join(lines)
+
+    def _join(self, inp: str, prefix: str) -> str:
+        if self.rng.random() < self.kvpress_newline:
+            return inp + " \n" + prefix.lstrip(" ")
+        return inp + prefix
+
+    # ---- tasks ---------------------------------------------------------------------------------------------
+    def sample(self, task: str, length: int) -> Sequence:
+        """One sequence of about ``length`` tokens (bos included) for ``task``."""
+        if task == "lm":
+            text = " ".join(self._essay(length - 1))
+            ids = self._tok([text])[0][: length - 1]
+            bos = self.tokenizer.bos_token_id
+            return Sequence([bos, *ids], [0] + [1] * len(ids), [0] * (len(ids) + 1), task)
+        if task == "vt":
+            return self._vt(length)
+        return self._niah(task, length)
+
+    def _niah(self, task: str, length: int) -> Sequence:
+        r = self.rng
+        haystack = {"niah_single_1": "noise", "mk_noise": "noise", "niah_multikey_2": "needle"}.get(task, "essay")
+        if task == "niah_multikey_3":
+            haystack = "needle"
+        type_v = "uuids" if task in ("niah_single_3", "niah_multikey_3") else "numbers"
+        value = self._uuid if type_v == "uuids" else self._number
+        nk = {"niah_multikey_1": 4, "niah_multiquery": 4, "mk_noise": r.randint(2, 4)}.get(task, 1)
+        nv = 4 if task == "niah_multivalue" else 1
+        keys = [self._uuid() for _ in range(nk)] if task == "niah_multikey_3" else self._keys(nk)
+        vals = [[value() for _ in range(nv)] for _ in range(nk)]
+        needles = [
+            NEEDLE.format(type_needle_v=type_v, key=k, value=v) for k, vs in zip(keys, vals, strict=True) for v in vs
+        ]
+        r.shuffle(needles)
+
+        # Questions: RULER's query first, then (multi-key tasks) extra singular questions on other keys.
+        if task == "niah_multiquery":
+            order = r.sample(range(nk), nk)
+            qas = [([keys[i] for i in order], [vals[i][0] for i in order], False)]
+        elif task == "niah_multivalue":
+            qas = [([keys[0]], vals[0], False)]  # answer order = order in the context, fixed below
+        else:
+            order = r.sample(range(nk), nk)
+            n_q = r.randint(1, nk) if task in ("niah_multikey_1", "mk_noise") else 1
+            qas = [([keys[i]], vals[i], True) for i in order[:n_q]]
+
+        probe_inp, probe_pref = niah_prompt("", type_v, join_query(qas[0][0]), qas[0][2])
+        overhead = len(self._tok([probe_inp + probe_pref + " ".join(needles)])[0]) + 12 * len(qas) + 2
+        overhead += sum(len(q[1]) * (9 if type_v == "numbers" else 38) + 30 * (i > 0) for i, q in enumerate(qas))
+        budget = max(length - overhead, 8)
+
+        extra_values: list[str] = []
+        if haystack == "noise":
+            context = self._lines_context([NOISE_LINE] * max(budget // self.noise_tokens, 1), needles)
+        elif haystack == "essay":
+            context = self._essay_context(needles, budget)
+        else:
+            line_tokens = len(self._tok([needles[0]])[0]) + 1
+            n_extra = r.randint(1, 2) if r.random() < 0.6 else 0  # extra questions on distractor lines
+            n = max((budget - n_extra * (line_tokens + 30)) // line_tokens, 1)
+            dk = [self._uuid() for _ in range(n)] if task == "niah_multikey_3" else self._keys(n)
+            dv = [value() for _ in range(n)]
+            extra_values = dv
+            lines = [NEEDLE.format(type_needle_v=type_v, key=k, value=v) for k, v in zip(dk, dv, strict=True)]
+            context = self._lines_context(lines, needles)
+            for j in r.sample(range(n), min(n, n_extra)):  # every line is a needle, so any line can be asked
+                qas.append(([dk[j]], [dv[j]], True))
+
+        if task == "niah_multivalue":
+            qas[0] = (qas[0][0], sorted(qas[0][1], key=context.index), False)
+        segments: list[tuple[str, int]] = []  # (text, answer index or 0)
+        for qi, (qkeys, qvals, singular) in enumerate(qas, 1):
+            inp, pref = niah_prompt(context, type_v, join_query(qkeys), singular)
+            if qi == 1:
+                text = self._join(inp, pref)
+            else:
+                q = inp[inp.rindex("\nWhat ") :]
+                text = self._join(q, pref)
+            segments.append((text, 0))
+            segments.append((" " + ", ".join(qvals) + ".", qi))
+        values = [v for vs in vals for v in vs] + extra_values
+        return self._encode(segments, values, task)
+
+    def _vt(self, length: int) -> Sequence:
+        r = self.rng
+        letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+        def chain(n_lines: int, name_len: int, value: int) -> tuple[str, list[str]]:
+            names: list[str] = []
+            while len(names) < 5:
+                nm = "".join(r.choices(letters, k=name_len))
+                if nm not in names:
+                    names.append(nm)
+            chain_lines = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j]} = VAR {names[j - 1]} " for j in range(1, 5)]
+            lines = [NOISE_LINE] * max(n_lines, 5)
+            for j, pos in enumerate(sorted(r.sample(range(len(lines)), 5))):
+                lines.insert(pos + j, chain_lines[j])
+            return "\n".join(lines), names
+
+        ex_ctx, ex_names = chain(r.randint(3, 12), 3, r.randint(10000, 99999))
+        ex_val = re.search(r"= (\d+)", ex_ctx).group(1)
+        example = (
+            VT_TEMPLATE.format(context=ex_ctx, query=ex_val)
+            + VT_ANSWER_PREFIX.format(num_v=5, query=ex_val)
+            + " ".join(ex_names)
+            + "\n"
+        )
+        overhead = len(self._tok([example])[0]) + 130
+        value = r.randint(10000, 99999)
+        ctx, names = chain(max((length - overhead) // self.noise_tokens, 1), 5, value)
+        text = self._join(
+            example + VT_TEMPLATE.format(context=ctx, query=value), VT_ANSWER_PREFIX.format(num_v=5, query=value)
+        )
+        return self._encode([(text, 0), (" ".join(names), 1)], [str(value)], "vt")
+
+    def _encode(self, segments: list[tuple[str, int]], values: list[str], task: str) -> Sequence:
+        """Tokenize segments separately (as evaluation prompt and greedy answer are); mask random values in prompts."""
+        enc = self.tokenizer([s for s, _ in segments], add_special_tokens=False, return_offsets_mapping=True)
+        ids, lm, ans = [self.tokenizer.bos_token_id], [0], [0]
+        pattern = re.compile("|".join(re.escape(v) for v in values)) if values else None
+        for (text, qa), seg_ids, offsets in zip(segments, enc["input_ids"], enc["offset_mapping"], strict=True):
+            ids.extend(seg_ids)
+            if qa:
+                lm.extend([0] * len(seg_ids))
+                ans.extend([qa] * len(seg_ids))
+                continue
+            hidden = bytearray(len(text))  # 1 = character of a random value
+            for m in pattern.finditer(text) if pattern else ():
+                hidden[m.start() : m.end()] = b"\x01" * (m.end() - m.start())
+            lm.extend(0 if any(hidden[a:b]) else 1 for a, b in offsets)
+            ans.extend([0] * len(seg_ids))
+        return Sequence(ids, lm, ans, task)
+
+    def batch(self, mix: dict[str, float], lo: int, hi: int, tokens: int) -> list[Sequence]:
+        """One batch: a length drawn from ``[lo, hi]``, tasks drawn from ``mix``, sequences added until the batch
+        holds at least ``tokens`` tokens (a short target still costs the fixed prompt overhead, ~100 tokens)."""
+        length = self.rng.randint(lo, hi)
+        names, weights = zip(*sorted(mix.items()), strict=True)
+        out, total = [], 0
+        while total < tokens:
+            out.append(self.sample(self.rng.choices(names, weights)[0], length))
+            total += len(out[-1].ids)
+        return out

@@ -1,0 +1,481 @@
+"""Train the proxy LM: a few-million-parameter Llama (GQA) that solves RULER needle tasks, on 2 CPU cores.
+
+Usage::
+
+    python -m core_kv.models.train_proxy --config configs/proxy/default.yaml [a.b=v ...]
+    python -m core_kv.models.train_proxy --config configs/proxy/default.yaml mode=export   # run dir -> checkpoints/
+
+The recipe is the measured one of ``shared/research/proxy_feasibility.md``: single-digit tokens, a very short dense
+first phase, answer loss x3, random needle digits masked from the LM loss, accuracy-driven phase advance, lr 2e-3,
+bf16 autocast, a length-proportional batch of 4-8k tokens per step. The schedule is step-based and every random draw
+is seeded, so a run is reproducible up to float non-associativity across thread counts. Checkpoints (model,
+optimizer, RNG, step, curriculum state) are written atomically every ``ckpt_every_s`` seconds and a rerun resumes
+from the last one. Loss curves go to ``<out_dir>/log.jsonl``; ``mode=export`` writes the Hugging Face folder
+(``config.json``, ``model.safetensors``, tokenizer files, ``loss_curve.png``).
+
+Shapes: B batch, T sequence length, H hidden size, V vocabulary, N selected loss positions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from core_kv.config import load_config, to_dict
+from core_kv.io import atomic_write_json, read_jsonl
+
+FULL_MIX = {
+    "niah_single_1": 0.14,
+    "niah_single_2": 0.12,
+    "niah_single_3": 0.06,
+    "niah_multikey_1": 0.12,
+    "niah_multikey_2": 0.14,
+    "niah_multikey_3": 0.04,
+    "niah_multivalue": 0.08,
+    "niah_multiquery": 0.08,
+    "mk_noise": 0.10,
+    "vt": 0.04,
+    "lm": 0.04,
+}
+
+
+@dataclass
+class ModelConfig:
+    """Llama shape; ``vocab_size`` comes from the tokenizer."""
+
+    hidden_size: int = 192
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    intermediate_size: int = 576
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+
+
+@dataclass
+class Phase:
+    """One curriculum phase: lengths drawn uniformly from ``[min_len, max_len]`` tokens.
+
+    The phase ends when the running exact match of ``TrainConfig.advance_tasks`` reaches ``advance_em`` after
+    ``min_steps`` steps, or after ``max_steps`` steps; the last phase runs to ``TrainConfig.total_steps``.
+    """
+
+    min_len: int = 48
+    max_len: int = 160
+    tokens_per_step: int = 4096
+    min_steps: int = 0
+    max_steps: int = 1_000_000
+    advance_em: float = 0.8
+    mix: dict[str, float] = field(default_factory=lambda: dict(FULL_MIX))
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on; ``configs/proxy/default.yaml`` overrides these defaults."""
+
+    mode: str = "train"  # train | export
+    out_dir: str = "runs/proxy"
+    export_dir: str = "checkpoints/proxy-lm"
+    seed: int = 1234  # model init and loss-position sampling
+    data_seed: int = 20261129  # training sequences (never 42, RULER's evaluation seed)
+    probe_seed: int = 777  # fixed probe prompts for the periodic evaluation
+    base_vocab: int = 4096  # BPE size before the key-word merges
+    model: ModelConfig = field(default_factory=ModelConfig)
+    phases: list[Phase] = field(default_factory=lambda: [Phase()])
+    total_steps: int = 3000
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 40
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    answer_weight: float = 3.0
+    lm_fraction: float = 0.25  # share of LM-loss positions scored per step (the 14k-way head is the costly part)
+    advance_tasks: list[str] = field(
+        default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "mk_noise"]
+    )
+    em_window: int = 40  # steps in the running exact match that drives phase advance
+    threads: int = 2
+    bf16: bool = True
+    ckpt_every_s: float = 240.0
+    log_every: int = 10
+    probe_every: int = 200
+    probe_tasks: list[str] = field(
+        default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2"]
+    )
+    probe_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    probe_n: int = 10
+    max_wall_s: float = 0.0  # >0: stop (and checkpoint) after this much wall time in this process
+
+    def __post_init__(self) -> None:
+        if self.data_seed == 42 or self.probe_seed == 42:
+            raise ValueError("seed 42 is RULER's evaluation seed; use another one for training data and probes")
+        if self.mode not in ("train", "export"):
+            raise ValueError(f"mode must be train or export, got {self.mode!r}")
+        if not self.phases:
+            raise ValueError("at least one phase is needed")
+
+
+# ---- tokenizer and model ---------------------------------------------------------------------------------------
+def build_proxy_tokenizer(base_vocab: int = 4096):
+    """The proxy tokenizer trained on the training essays only (see ``proxy_tokenizer``)."""
+    from core_kv.eval.resources import essay_files, words
+    from core_kv.models.proxy_data import held_out_essays
+    from core_kv.models.proxy_tokenizer import build_tokenizer, default_corpus
+
+    held = held_out_essays()
+    essays = [f.read_text(encoding="utf-8") for f in essay_files() if f.stem not in held]
+    adjs, nouns = words("adjectives"), words("nouns")
+    return build_tokenizer(default_corpus(essays, adjs, nouns), adjs, nouns, base_vocab=base_vocab)
+
+
+def build_model(cfg: ModelConfig, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = 64 * math.ceil(len(tokenizer) / 64)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        intermediate_size=cfg.intermediate_size,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+# ---- loss ------------------------------------------------------------------------------------------------------
+def collate(seqs, pad_id: int):
+    """Right-pad to the longest sequence; padding is causal-safe (it only follows real tokens) and never scored."""
+    T = max(len(s.ids) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)  # (B, T)
+    lm = torch.zeros((len(seqs), T), dtype=torch.bool)
+    ans = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        n = len(s.ids)
+        ids[b, :n] = torch.tensor(s.ids)
+        lm[b, :n] = torch.tensor(s.lm, dtype=torch.bool)
+        ans[b, :n] = torch.tensor(s.ans)
+    return ids, lm, ans
+
+
+def compute_loss(model, ids, lm, ans, lm_fraction: float, gen: torch.Generator | None, bf16: bool):
+    """LM loss on a random ``lm_fraction`` of the scorable positions + answer loss; exact match per answer.
+
+    Returns:
+        ``(lm_loss, answer_loss, em)``: tensors for the two losses and a list ``[(row, answer_id, correct)]``.
+    """
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and ids.device.type == "cpu"),
+        torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and ids.device.type == "cuda"),
+    ):
+        hidden = model.model(input_ids=ids).last_hidden_state  # (B, T, H)
+        tgt, lm_t, ans_t = ids[:, 1:], lm[:, 1:], ans[:, 1:]  # target t+1 is predicted at position t
+        h = hidden[:, :-1]
+        keep = lm_t & (torch.rand(lm_t.shape, generator=gen, device=lm_t.device) < lm_fraction)
+        sel_lm = keep.nonzero(as_tuple=True)
+        sel_ans = (ans_t > 0).nonzero(as_tuple=True)
+        logits_lm = model.lm_head(h[sel_lm]).float()  # (N, V)
+        logits_ans = model.lm_head(h[sel_ans]).float()  # (N, V)
+    lm_loss = F.cross_entropy(logits_lm, tgt[sel_lm]) if logits_lm.numel() else logits_lm.sum()
+    ans_loss = F.cross_entropy(logits_ans, tgt[sel_ans]) if logits_ans.numel() else logits_ans.sum()
+    correct = (logits_ans.argmax(-1) == tgt[sel_ans]).tolist()
+    rows, qa = sel_ans[0].tolist(), ans_t[sel_ans].tolist()
+    per: dict[tuple[int, int], bool] = {}
+    for r, q, c in zip(rows, qa, correct, strict=True):
+        per[(r, q)] = per.get((r, q), True) and c
+    return lm_loss, ans_loss, [(r, q, c) for (r, q), c in per.items()]
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine to ``min_lr_ratio`` of the peak at ``total_steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    p = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+# ---- probes ----------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def probe(model, probes: dict[str, list], bf16: bool) -> dict[str, float]:
+    """Teacher-forced exact match of the first answer on fixed prompts (equals greedy exact match for it)."""
+    model.eval()
+    out = {}
+    for name, seqs in probes.items():
+        hits = 0
+        for s in seqs:
+            ids, lm, ans = collate([s], 0)
+            ans = torch.where(ans == 1, ans, torch.zeros_like(ans))
+            _, _, em = compute_loss(model, ids, lm, ans, 0.0, None, bf16)
+            hits += int(all(c for _, _, c in em))
+        out[name] = hits / len(seqs)
+    model.train()
+    return out
+
+
+def make_probes(tokenizer, cfg: TrainConfig) -> dict[str, list]:
+    from core_kv.models.proxy_data import Generator
+
+    gen = Generator(tokenizer, seed=cfg.probe_seed, kvpress_newline=0.0)
+    return {
+        f"{task}@{length}": [gen.sample(task, length - 128) for _ in range(cfg.probe_n)]
+        for length in cfg.probe_lengths
+        for task in cfg.probe_tasks
+    }
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------
+def save_checkpoint(out: Path, model, opt, state: dict, gen_state, torch_gen: torch.Generator) -> None:
+    """Write ``ckpt.tmp`` fully, then swap it in for ``ckpt`` (the old one is kept as ``ckpt.old`` until then)."""
+    tmp, final, old = out / "ckpt.tmp", out / "ckpt", out / "ckpt.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    torch.save(
+        {
+            "optimizer": opt.state_dict(),
+            "data_rng": gen_state,
+            "torch_rng": torch.get_rng_state(),
+            "loss_rng": torch_gen.get_state(),
+        },
+        tmp / "train_state.pt",
+    )
+    atomic_write_json(tmp / "state.json", state)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    for name in ("ckpt", "ckpt.old"):
+        if (out / name / "state.json").is_file():
+            return out / name
+    return None
+
+
+# ---- training --------------------------------------------------------------------------------------------------
+def train(cfg: TrainConfig) -> Path:
+    """Run (or resume) training in ``cfg.out_dir``; returns the checkpoint folder."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from core_kv.models.proxy_data import Generator
+
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "config.json", to_dict(cfg))
+    tok_dir = out / "tokenizer"
+    if not (tok_dir / "tokenizer.json").is_file():
+        build_proxy_tokenizer(cfg.base_vocab).save_pretrained(tok_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    ckpt = latest_checkpoint(out)
+    model = LlamaForCausalLM.from_pretrained(ckpt) if ckpt else build_model(cfg.model, tokenizer)
+    model.config._attn_implementation = "sdpa"
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        fused=False,
+    )
+    data = Generator(tokenizer, seed=cfg.data_seed)
+    loss_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    state = {"step": 0, "phase": 0, "phase_start": 0, "tokens": 0, "train_s": 0.0, "em_window": {}}
+    if ckpt:
+        st = torch.load(ckpt / "train_state.pt", weights_only=False)
+        opt.load_state_dict(st["optimizer"])
+        data.rng.setstate(st["data_rng"])
+        torch.set_rng_state(st["torch_rng"])
+        loss_gen.set_state(st["loss_rng"])
+        state = json.loads((ckpt / "state.json").read_text())
+        print(f"resumed from {ckpt} at step {state['step']}", flush=True)
+    windows = {k: deque(v, maxlen=cfg.em_window * 8) for k, v in state["em_window"].items()}
+    probes = make_probes(tokenizer, cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters, vocab {model.config.vocab_size}", flush=True)
+
+    log = open(out / "log.jsonl", "a", encoding="utf-8")  # noqa: SIM115  # appended to for the whole run
+    t_start, last_ckpt = time.time(), time.time()
+    acc = {"lm": 0.0, "ans": 0.0, "n": 0, "tok": 0, "t": 0.0, "em": []}
+    bar = tqdm(total=cfg.total_steps, initial=state["step"], desc="proxy", mininterval=5, file=sys.stdout)
+
+    def checkpoint() -> None:
+        state["em_window"] = {k: list(v) for k, v in windows.items()}
+        save_checkpoint(out, model, opt, state, data.rng.getstate(), loss_gen)
+
+    while state["step"] < cfg.total_steps:
+        step = state["step"]
+        phase = cfg.phases[state["phase"]]
+        t0 = time.time()
+        seqs = data.batch(phase.mix, phase.min_len, phase.max_len, phase.tokens_per_step)
+        ids, lm, ans = collate(seqs, tokenizer.pad_token_id)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        lm_loss, ans_loss, em = compute_loss(model, ids, lm, ans, cfg.lm_fraction, loss_gen, cfg.bf16)
+        loss = lm_loss + cfg.answer_weight * ans_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        dt = time.time() - t0
+
+        n_tok = int(sum(len(s.ids) for s in seqs))
+        state["step"] = step + 1
+        state["tokens"] += n_tok
+        state["train_s"] += dt
+        for r, _q, c in em:
+            windows.setdefault(seqs[r].task, deque(maxlen=cfg.em_window * 8)).append(int(c))
+        acc["lm"] += lm_loss.item()
+        acc["ans"] += ans_loss.item()
+        acc["n"] += 1
+        acc["tok"] += n_tok
+        acc["t"] += dt
+        acc["em"] += [int(c) for _, _, c in em]
+        bar.update(1)
+
+        # Phase advance on the running exact match of the core tasks (feasibility note: accuracy-driven).
+        in_phase = state["step"] - state["phase_start"]
+        adv = [sum(windows[t]) / len(windows[t]) for t in cfg.advance_tasks if t in windows and len(windows[t]) >= 8]
+        run_em = sum(adv) / len(adv) if adv else 0.0
+        last = state["phase"] == len(cfg.phases) - 1
+        if not last and ((in_phase >= phase.min_steps and run_em >= phase.advance_em) or in_phase >= phase.max_steps):
+            state["phase"] += 1
+            state["phase_start"] = state["step"]
+            windows.clear()
+            print(f"\nstep {state['step']}: phase {state['phase']} (running EM {run_em:.2f})", flush=True)
+
+        if state["step"] % cfg.log_every == 0:
+            row = {
+                "step": state["step"],
+                "phase": state["phase"],
+                "len": phase.max_len,
+                "lm_loss": acc["lm"] / acc["n"],
+                "answer_loss": acc["ans"] / acc["n"],
+                "train_em": sum(acc["em"]) / max(1, len(acc["em"])),
+                "running_em": run_em,
+                "tok_per_s": acc["tok"] / acc["t"],
+                "lr": lr_at(step, cfg),
+                "grad_norm": float(gnorm),
+                "tokens": state["tokens"],
+                "train_s": state["train_s"],
+                "wall_s": time.time() - t_start,
+            }
+            if state["step"] % cfg.probe_every == 0:
+                t_probe = time.time()
+                row["probe"] = probe(model, probes, cfg.bf16)
+                row["probe_s"] = time.time() - t_probe
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            bar.set_postfix(
+                ph=state["phase"],
+                lm=f"{row['lm_loss']:.2f}",
+                ans=f"{row['answer_loss']:.2f}",
+                em=f"{row['train_em']:.2f}",
+                tps=f"{row['tok_per_s']:.0f}",
+            )
+            if "probe" in row:
+                print(
+                    "\nprobe", state["step"], json.dumps({k: round(v, 2) for k, v in row["probe"].items()}), flush=True
+                )
+            acc = {"lm": 0.0, "ans": 0.0, "n": 0, "tok": 0, "t": 0.0, "em": []}
+
+        if time.time() - last_ckpt >= cfg.ckpt_every_s:
+            checkpoint()
+            last_ckpt = time.time()
+        if cfg.max_wall_s and time.time() - t_start >= cfg.max_wall_s:
+            print(f"\nwall budget reached at step {state['step']}", flush=True)
+            break
+    checkpoint()
+    bar.close()
+    log.close()
+    return out / "ckpt"
+
+
+# ---- export ----------------------------------------------------------------------------------------------------
+def plot_loss(log_path: Path, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_jsonl(log_path)
+    step = [r["step"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(step, [r["lm_loss"] for r in rows], label="LM loss (nats/token)")
+    a.plot(step, [r["answer_loss"] for r in rows], label="answer loss (nats/token)")
+    a.set_yscale("log")
+    a.set_xlabel("step")
+    a.legend()
+    b.plot(step, [r["train_em"] for r in rows], label="train exact match", alpha=0.5)
+    probes = [r for r in rows if "probe" in r]
+    for key in sorted(probes[0]["probe"]) if probes else []:
+        b.plot([r["step"] for r in probes], [r["probe"][key] for r in probes], marker="o", ms=3, label=key)
+    b.set_xlabel("step")
+    b.set_ylim(-0.02, 1.02)
+    b.legend(fontsize=6)
+    for ax in (a, b):
+        for r0, r1 in zip(rows, rows[1:], strict=False):
+            if r1["phase"] != r0["phase"]:
+                ax.axvline(r1["step"], color="grey", lw=0.5, ls="--")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def export(cfg: TrainConfig) -> Path:
+    """Copy the last checkpoint to ``export_dir`` as a plain Hugging Face folder (fp32 safetensors + tokenizer)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    out, dst = Path(cfg.out_dir), Path(cfg.export_dir)
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint in {out}")
+    dst.mkdir(parents=True, exist_ok=True)
+    model = LlamaForCausalLM.from_pretrained(ckpt)
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(out / "tokenizer").save_pretrained(dst)
+    state = json.loads((ckpt / "state.json").read_text())
+    state.pop("em_window", None)
+    atomic_write_json(dst / "training_state.json", state)
+    atomic_write_json(dst / "training_config.json", to_dict(cfg))
+    shutil.copy(out / "log.jsonl", dst / "training_log.jsonl")
+    plot_loss(out / "log.jsonl", dst / "loss_curve.png")
+    return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config(TrainConfig, sys.argv[1:] if argv is None else argv)
+    if cfg.mode == "train":
+        train(cfg)
+    else:
+        print(export(cfg))
+
+
+if __name__ == "__main__":
+    main()
