@@ -1,0 +1,27 @@
+"""CORE stage 2–4 training: indexer distillation, temperature calibration, latent memory (``../shared/design/CORE.md``).
+
+- :mod:`~core_kv.distill.config`: the typed :class:`TrainConfig` (YAML in ``configs/train/`` overrides it).
+- :mod:`~core_kv.distill.replay`: activation capture and the per-layer chunked-prefill replay with real evictions.
+- :mod:`~core_kv.distill.losses`: KL / Top-B boundary / memory losses, calibration fit and metrics.
+- :mod:`~core_kv.distill.steps`: the trainable steps (teacher-record warm-up, on-policy replay, memory).
+- :mod:`~core_kv.distill.trainer`: ``train(cfg)``, the Accelerate loop (checkpoints, resume, report).
+
+Shape legend: L layers, H query heads, Hkv KV heads, G = H/Hkv, D head dim, T tokens, N candidates at an event,
+F = 14 features, P = 512 memory features.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TrainConfig", "train"]
+
+
+def __getattr__(name: str):  # lazy: importing the package does not import accelerate
+    if name == "TrainConfig":
+        from core_kv.distill.config import TrainConfig
+
+        return TrainConfig
+    if name == "train":
+        from core_kv.distill.trainer import train
+
+        return train
+    raise AttributeError(name)

@@ -1,0 +1,131 @@
+"""Typed training configuration; YAML files in ``configs/train/`` only override these defaults.
+
+The defaults are the shipped proxy run (``accelerate launch train.py`` with no arguments): about 10 minutes on two
+CPU cores including the teacher data. Batch arithmetic: documents per optimizer step =
+``micro_batch × grad_accum × num_processes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core_kv.memory import WRITE_RULES
+from core_kv.teacher.run import DataSpec, ModelSpec, TeacherConfig
+
+
+def _proxy_teacher() -> TeacherConfig:
+    """The proxy teacher run the default training builds or reuses [choice: 1.5–2k-token documents, chunk 256]."""
+    return TeacherConfig(
+        out_dir="runs/teacher/proxy",
+        model=ModelSpec(path="checkpoints/proxy-lm"),
+        data=DataSpec(source="proxy", num_docs=24, calib_docs=8, min_len=1024, max_len=2048),
+        chunk_size=256,
+        ratios=[0.75, 0.9],
+        progress=True,
+    )
+
+
+@dataclass
+class IndexerStage:
+    """Stage 2: distillation. ``warmup_steps`` on the teacher dataset's records (teacher-forced candidates: the
+    full cache at each event), then ``steps`` on-policy steps replaying documents with the student's own retained
+    sets (CORE.md stage 2)."""
+
+    warmup_steps: int = 40
+    records_per_micro: int = 16  # teacher records (event × layer) per micro-batch in the warm-up
+    steps: int = 48
+    lr: float = 1.0e-3
+    weight_decay: float = 0.01
+    warmup_lr_steps: int = 8
+    grad_clip: float = 1.0
+    rank_weight: float = 0.1  # μ_rank of the Top-B boundary BCE (0 disables it)
+
+
+@dataclass
+class CalibrationStage:
+    """Stage 3: one temperature per layer on held-out documents (golden-section on log T)."""
+
+    docs: int = 8
+    log_t_min: float = -3.0
+    log_t_max: float = 3.0
+    grid: int = 121
+
+
+@dataclass
+class MemoryStage:
+    """Stage 4: ``W_φ`` and the gate, base model / indexer / temperatures frozen."""
+
+    steps: int = 48
+    lr: float = 2.0e-3
+    weight_decay: float = 0.0
+    warmup_lr_steps: int = 8
+    grad_clip: float = 1.0
+    gate_weight: float = 0.1  # μ_g of BCE(g, α_E)
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``train(cfg)`` depends on.
+
+    Args:
+        out_dir: Run folder: ``state/`` (resumable, ``accelerator.save_state``), ``stages/`` (finished stage
+            weights), ``final/`` (the artifact), ``summary.json``.
+        teacher: The teacher run to reuse (or build, when ``build_teacher``) — its model is the base model.
+        train_docs: Pool of on-policy documents (indices 0.., cycled).
+        calib_docs / eval_docs: Held-out documents (disjoint index ranges) for calibration and the final report.
+        ratios: Compression ratios cycled over training documents (position j gets ``ratios[j % len]``).
+        eval_ratios: Ratios of the final report.
+        write_rule: ``mass`` (CORE) | ``equal_event`` | ``uniform_token``.
+        micro_batch: Documents per process per micro-step (records: ``indexer.records_per_micro``).
+        grad_accum: Micro-steps per optimizer step (``accelerator.accumulate``).
+        save_every: Optimizer steps between resumable checkpoints; ``keep_last`` are kept.
+        stop_after: Stop this invocation after that many optimizer steps (0 = run to the end), as an interruption.
+        wandb: Log through ``accelerator.init_trackers``/``log`` (``wandb_mode`` offline works without login).
+    """
+
+    out_dir: str = "checkpoints/core-proxy"
+    teacher: TeacherConfig = field(default_factory=_proxy_teacher)
+    build_teacher: bool = True
+    train_docs: int = 24
+    calib_docs: int = 6
+    eval_docs: int = 6
+    ratios: list[float] = field(default_factory=lambda: [0.75, 0.9, 0.5])
+    eval_ratios: list[float] = field(default_factory=lambda: [0.75, 0.9])
+    write_rule: str = "mass"
+    indexer: IndexerStage = field(default_factory=IndexerStage)
+    calibration: CalibrationStage = field(default_factory=CalibrationStage)
+    memory: MemoryStage = field(default_factory=MemoryStage)
+    micro_batch: int = 1
+    grad_accum: int = 1
+    seed: int = 0
+    save_every: int = 16
+    keep_last: int = 2
+    stop_after: int = 0
+    overwrite: bool = False
+    wandb: bool = False
+    wandb_project: str = "core_kv"
+    wandb_mode: str = "offline"
+    progress: bool = True
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.write_rule not in WRITE_RULES:
+            raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {self.write_rule!r}")
+        for name in ("micro_batch", "grad_accum", "save_every", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("train_docs", "calib_docs", "eval_docs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not self.ratios or any(not 0 < r < 1 for r in [*self.ratios, *self.eval_ratios]):
+            raise ValueError("ratios and eval_ratios must be compression ratios in (0, 1)")
+        if self.indexer.warmup_steps < 0 or self.indexer.steps < 0 or self.memory.steps < 0:
+            raise ValueError("stage step counts must be >= 0")
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError("wandb_mode must be offline, online or disabled")
+        if self.stop_after < 0:
+            raise ValueError("stop_after must be >= 0")
+
+    @property
+    def docs_per_step(self) -> str:
+        return f"{self.micro_batch} micro-batch x {self.grad_accum} accumulation x num_processes"

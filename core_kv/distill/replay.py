@@ -1,0 +1,294 @@
+"""Chunked-prefill replay with real evictions, one layer at a time (CORE.md stages 2–4).
+
+A document is run once through the frozen base model; a forward pre-hook on every attention module captures the
+layer's pre-/post-RoPE queries and keys and its values (:func:`capture`). :func:`replay_layer` then replays the
+chunked prefill of that layer: events sit where the teacher puts them (:func:`core_kv.teacher.run.event_times`);
+at event ``t_e`` the candidates of KV head h are its retained set from the previous event plus the tokens that
+arrived since, the 14 features come from :func:`core_kv.features.compute_features` (with the persistence EMA
+carried across events), the indexer scores them, and the retained set is the protected tokens plus the top free
+picks under the budget ``B = floor(t_e (1 − ratio))`` (:func:`core_kv.teacher.metrics.budget_split`).
+
+``policy`` decides who picks the retained set: ``student`` (the indexer's Top-B: the DAgger-style on-policy
+replay of CORE.md stage 2), ``teacher`` (Top-B of p*: teacher forcing) or ``full`` (nothing is evicted; the
+candidates are the whole prefix, exactly the teacher dataset's protocol, used for Table 7).
+
+Teacher targets at an event are computed online on the candidates actually present, with the teacher's own
+functions: future utility π_U (:func:`core_kv.teacher.utility.future_utility`, the same future queries and
+weights as the teacher run) and ``p* = solve_allocation(π_U, Φ, λ)``.
+
+[choice] Hidden states come from the full-cache forward (teacher-forced across layers): layer l's evictions do not
+change layer l+1's inputs during training. The press (issue 8) runs the real cascade; the eval measures the gap.
+
+Shapes: H query heads, Hkv KV heads, G = H/Hkv, T document tokens, D head dim, N candidates, F = 14 features,
+d_z projected key dim, M prototypes, w observation window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from core_kv.features import OBS_WINDOW, compute_features, observation_attention
+from core_kv.models.attention import _split_qkv, apply_rope, attention_modules, prerope_keys, prerope_queries
+from core_kv.teacher.geometry import Geometry
+from core_kv.teacher.metrics import budget_split, protected_mask, top_free
+from core_kv.teacher.solver import solve_allocation
+from core_kv.teacher.utility import future_utility, normalise
+
+POLICIES = ("student", "teacher", "full")
+
+
+class Timer:
+    """Wall-clock seconds per named part (CUDA-synchronised), for the step-time breakdown."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] += time.perf_counter() - t0
+
+
+@dataclass
+class LayerActs:
+    """One layer's captured activations for one document (float32, batch dim dropped)."""
+
+    q_pre: torch.Tensor  # (H, T, D)
+    k_pre: torch.Tensor  # (Hkv, T, D)
+    v: torch.Tensor  # (Hkv, T, D)
+    q_post: torch.Tensor  # (H, T, D)
+    k_post: torch.Tensor  # (Hkv, T, D)
+    scaling: float
+
+    @property
+    def groups(self) -> int:
+        return self.q_pre.shape[0] // self.k_pre.shape[0]
+
+
+@torch.no_grad()
+def capture(model: nn.Module, ids: torch.Tensor, autocast=None) -> list[LayerActs]:
+    """One forward of the base model body over ``ids`` (1, T); returns every layer's activations."""
+    acts: dict[int, LayerActs] = {}
+
+    def hook(idx):
+        def fn(module, args, kwargs):
+            hs = kwargs.get("hidden_states", args[0] if args else None)
+            q_pre = prerope_queries(module, hs)  # (1, H, T, D)
+            k_pre = prerope_keys(module, hs)  # (1, Hkv, T, D)
+            _, hkv, t, d = k_pre.shape
+            v = _split_qkv(module, hs)[2].view(1, t, hkv, d).transpose(1, 2)
+            pe = kwargs["position_embeddings"]
+            acts[idx] = LayerActs(
+                q_pre[0].float(), k_pre[0].float(), v[0].float(),
+                apply_rope(module, q_pre, pe)[0].float(), apply_rope(module, k_pre, pe)[0].float(),
+                float(getattr(module, "scaling", d**-0.5)),
+            )  # fmt: skip
+
+        return fn
+
+    mods = attention_modules(model)
+    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(mods)]
+    try:
+        body = getattr(model, "model", model)
+        with autocast if autocast is not None else _null():
+            body(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return [acts[i] for i in range(len(mods))]
+
+
+@contextmanager
+def _null():
+    yield
+
+
+def future_queries(t_e: int, chunk: int, qa_start: int | None, t_len: int, qa_weight: float, device=None):
+    """The teacher run's future queries at an event: next chunk and QA tail, weighted (positions, weights)."""
+    nxt = torch.arange(t_e, min(t_e + chunk, qa_start or t_len), device=device)
+    qa = torch.arange(qa_start, t_len, device=device) if qa_start is not None else nxt[:0]
+    w_qa = qa_weight if len(nxt) else 1.0
+    w_qa = w_qa if len(qa) else 0.0
+    weights = torch.cat([torch.full((len(nxt),), (1 - w_qa) / max(len(nxt), 1)),
+                         torch.full((len(qa),), w_qa / max(len(qa), 1))])  # fmt: skip
+    return torch.cat([nxt, qa]), weights
+
+
+@dataclass
+class ReplaySpec:
+    """How a layer is replayed (copied from the teacher manifest where the teacher defines it)."""
+
+    chunk_size: int = 512
+    ratio: float = 0.75
+    protected_sinks: int = 4
+    protected_recent: int = 32
+    qa_weight: float = 0.5
+    lam: float = 1.0
+    steps: int = 8
+    eta: float | str = "auto"
+    policy: str = "student"
+    targets: bool = True  # compute π_U and p* (training, metrics); the memory stage needs π_U only for α
+    utility: bool = True
+
+
+@dataclass
+class Event:
+    """One (event, layer): candidates, features, student scores, teacher targets and the retention decision."""
+
+    t_e: int
+    end: int  # the next event time (or the document end): queries [t_e, end) see this event's retained set
+    cand: torch.Tensor  # (Hkv, N) positions, sorted
+    features: torch.Tensor  # (Hkv, N, F) raw
+    scores: torch.Tensor | None  # (Hkv, N) student logits (with grad when training)
+    pi_u: torch.Tensor | None  # (Hkv, N)
+    p_star: torch.Tensor | None  # (Hkv, N)
+    kept: torch.Tensor  # (Hkv, N) retained mask
+    protected: torch.Tensor  # (N,) protected mask
+    budget: int  # B (tokens kept per head); N if nothing is evicted
+    b_free: int  # free picks inside B
+
+    @property
+    def evicts(self) -> bool:
+        return bool((~self.kept).any())
+
+
+def replay_layer(
+    acts: LayerActs,
+    layer: int,
+    times: list[int],
+    qa_start: int | None,
+    geometry: Geometry,
+    spec: ReplaySpec,
+    score_fn: Callable[[int, torch.Tensor], torch.Tensor] | None,
+    timer: Timer | None = None,
+) -> list[Event]:
+    """Replay the events of one layer; returns one :class:`Event` per event time.
+
+    Args:
+        acts: Captured activations of this layer.
+        layer: Layer index (geometry, indexer).
+        times: Event times (cached tokens at each event), ascending.
+        qa_start: First question/answer token, or ``None`` for plain text.
+        geometry: Stage-0 geometry (projection, prototypes, Nyström factors).
+        spec: Budget, protection, teacher parameters and the retention policy.
+        score_fn: ``score_fn(layer, raw_features (Hkv, N, F)) -> logits (Hkv, N)``; required for ``student``.
+        timer: Optional :class:`Timer` (parts ``features``, ``teacher``, ``indexer``).
+    """
+    if spec.policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {spec.policy!r}")
+    timer = timer or Timer("cpu")
+    dev = acts.k_pre.device
+    hkv, t_len, d = acts.k_pre.shape
+    g = acts.groups
+    with timer("features"):
+        z = geometry.project(layer, acts.k_pre)  # (Hkv, T, d_z)
+        phi = geometry.nystrom(layer, z)  # (Hkv, T, M)
+        protos = geometry.prototypes[layer].to(z)
+    persistence = torch.full((hkv, t_len), float("nan"), device=dev)
+    retained = torch.empty(hkv, 0, dtype=torch.long, device=dev)
+    prev = 0
+    events = []
+    heads = torch.arange(hkv, device=dev)[:, None]
+    for e, t_e in enumerate(times):
+        new = torch.arange(prev, t_e, device=dev)
+        cand = torch.cat([retained, new[None].expand(hkv, -1)], 1)  # (Hkv, N), sorted
+        n = cand.shape[1]
+        wpos = torch.arange(max(0, t_e - OBS_WINDOW), t_e, device=dev)
+        with timer("features"):
+            feats = []
+            for h in range(hkv):
+                c = cand[h]
+                qs = slice(h * g, (h + 1) * g)
+                obs = observation_attention(
+                    acts.q_post[qs, wpos][None], acts.k_post[h, c][None], wpos, c, acts.scaling
+                )  # (1, G·w, N)
+                f, ema = compute_features(
+                    obs, acts.q_pre[qs, wpos].reshape(1, -1, d), acts.k_pre[h, c][None], acts.v[h, c][None], c,
+                    t_e - 1, z[h, c][None], phi[h, c][None], protos[h][None], persistence[h, c][None],
+                )  # fmt: skip
+                persistence[h, c] = ema[0]
+                feats.append(f[0])
+            feats = torch.stack(feats)  # (Hkv, N, F)
+        scores = None
+        if score_fn is not None:
+            with timer("indexer"):
+                scores = score_fn(layer, feats)
+        pi_u = p_star = None
+        if spec.targets or spec.utility:
+            with timer("teacher"):
+                fpos, fw = future_queries(t_e, spec.chunk_size, qa_start, t_len, spec.qa_weight, dev)
+                if len(fpos):
+                    qf = acts.q_post[:, fpos].view(hkv, g, len(fpos), d)
+                    u = future_utility(qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw)
+                    pi_u = normalise(u.gather(1, cand).double())  # (Hkv, N)
+                    if spec.targets:
+                        p_star, _ = solve_allocation(pi_u, phi[heads, cand].double(), spec.lam, spec.steps, spec.eta)
+        b, s, w = budget_split(t_e, spec.ratio, spec.protected_sinks, spec.protected_recent)
+        prot = protected_mask(n, min(s, n), min(w, max(n - s, 0)), device=dev)
+        if spec.policy == "full" or n <= b:
+            kept = torch.ones(hkv, n, dtype=torch.bool, device=dev)
+            b = n
+        else:
+            if spec.policy == "teacher" and p_star is None:
+                raise ValueError("teacher policy needs teacher targets (future queries)")
+            sel = p_star if spec.policy == "teacher" else scores
+            if sel is None:
+                raise ValueError("student policy needs a score_fn")
+            kept = top_free(sel.detach().float(), prot, b - int(prot.sum()))
+        end = times[e + 1] if e + 1 < len(times) else t_len
+        events.append(Event(t_e, end, cand, feats, scores, pi_u, p_star, kept, prot, b, b - int(prot.sum())))
+        retained = cand[kept].view(hkv, -1) if spec.policy != "full" else cand
+        prev = t_e
+    return events
+
+
+def segment_attention(acts: LayerActs, ev: Event) -> dict[str, torch.Tensor]:
+    """Full-cache and retained-cache attention of the queries ``[t_e, end)`` after event ``ev``.
+
+    The retained cache of KV head h is its kept candidates plus the new tokens up to each query (causal).
+
+    Returns:
+        ``o_full``, ``o_ret`` (H, Tq, D); ``lse_ret`` (H, Tq); ``alpha`` (H, Tq) the true evicted attention mass
+        ``α_E(q) = 1 − S_R / S_all``; ``q_pre`` (H, Tq, D).
+    """
+    hkv, _, d = acts.k_pre.shape
+    h = acts.q_pre.shape[0]
+    g = h // hkv
+    dev = acts.k_pre.device
+    qpos = torch.arange(ev.t_e, ev.end, device=dev)
+    kpos = torch.arange(ev.end, device=dev)
+    q = acts.q_post[:, qpos].view(hkv, g, len(qpos), d)
+    logits = (q @ acts.k_post[:, None, : ev.end].mT) * acts.scaling  # (Hkv, G, Tq, K)
+    causal = kpos[None, :] <= qpos[:, None]  # (Tq, K)
+    keep = torch.zeros(hkv, ev.end, dtype=torch.bool, device=dev)
+    keep[torch.arange(hkv, device=dev)[:, None], ev.cand[ev.kept].view(hkv, -1)] = True
+    keep[:, ev.t_e :] = True
+    full = logits.masked_fill(~causal, float("-inf"))
+    ret = full.masked_fill(~keep[:, None, None, :], float("-inf"))
+    lse_full, lse_ret = full.logsumexp(-1), ret.logsumexp(-1)  # (Hkv, G, Tq)
+    v = acts.v[:, None, : ev.end]  # (Hkv, 1, K, D)
+    o_full = (full - lse_full[..., None]).exp() @ v
+    o_ret = (ret - lse_ret[..., None]).exp() @ v
+    alpha = (1 - (lse_ret - lse_full).exp()).clamp(0, 1)
+    return {
+        "o_full": o_full.reshape(h, len(qpos), d),
+        "o_ret": o_ret.reshape(h, len(qpos), d),
+        "lse_ret": lse_ret.reshape(h, len(qpos)),
+        "alpha": alpha.reshape(h, len(qpos)),
+        "q_pre": acts.q_pre[:, qpos],
+    }

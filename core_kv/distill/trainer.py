@@ -1,0 +1,609 @@
+"""``train(cfg)``: teacher data → indexer distillation → calibration → latent memory → ``final/`` artifact.
+
+Accelerate owns distribution and precision (``accelerate launch``): DDP on GPUs, gloo processes on CPU (an explicit
+``InitProcessGroupKwargs(backend="gloo")`` so DeepSpeed ZeRO-2 also sees the right world size on CPU,
+``shared/research/env.md`` §2), gradient accumulation with ``accelerator.accumulate``, mixed precision for the
+frozen base forward through ``accelerator.autocast()``, W&B through ``init_trackers``/``log``.
+
+Run folder ``cfg.out_dir``::
+
+    state/<stage>/step_000016/   resumable training state (accelerator.save_state), written to a temporary folder
+                                 and renamed (atomic); the last ``keep_last`` are kept
+    stages/<stage>.safetensors   weights of a finished stage (a rerun skips it)
+    stages/calibration.json      temperatures and calibration errors
+    final/                       the artifact: config.json + model.safetensors (CoreModel.from_pretrained)
+    summary.json, config.yaml    the final report and the resolved config
+
+Resume: a rerun with the same config skips finished stages, loads the newest ``state/<stage>/step_*`` and skips the
+micro-batches already consumed (``skip_first_batches``); the data order is a fixed list, so the resumed run
+reaches the same weights as an uninterrupted one.
+
+Two kinds of checkpoints are never mixed: ``state/`` holds optimizer/RNG pickles written by Accelerate for
+resuming only; ``final/`` holds only ``config.json`` and safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from core_kv.config import to_dict
+from core_kv.distill.losses import calibration_error, excluded_mass, fit_temperature, kl_to_teacher, topb_overlap
+from core_kv.distill.replay import ReplaySpec, Timer, replay_layer
+from core_kv.distill.steps import Context, DocItem, MemoryStep, OnPolicyStep, WarmupStep
+from core_kv.indexer import CoreConfig, CoreModel
+from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
+from core_kv.teacher.coverage import normalised_beta_b
+from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch
+from core_kv.teacher.metrics import budget_split, greedy_select, protected_mask, set_quality, top_free
+from core_kv.teacher.run import load_model, make_docs, run_teacher
+
+CALIB_OFFSET = 2_000_000  # held-out document indices (the teacher uses 0.. and 1_000_000.. for geometry)
+EVAL_OFFSET = 2_100_000
+
+
+class Interrupted(RuntimeError):
+    """``stop_after`` reached: the run stopped after saving a resumable checkpoint."""
+
+
+class _ListData(torch.utils.data.Dataset):
+    def __init__(self, items: list):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def _collate(batch: list) -> list:
+    return list(batch)
+
+
+def lr_at(step: int, total: int, base: float, warmup: int) -> float:
+    """Linear warm-up, then cosine to 10% of ``base`` [choice]."""
+    if total <= 0:
+        return base
+    warm = min(1.0, (step + 1) / max(warmup, 1))
+    return base * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0))))
+
+
+def _accelerator(cfg):
+    from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
+    if cfg.wandb:
+        os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
+    return Accelerator(
+        gradient_accumulation_steps=cfg.grad_accum,
+        log_with="wandb" if cfg.wandb else None,
+        project_dir=cfg.out_dir,
+        kwargs_handlers=handlers,
+        dataloader_config=DataLoaderConfiguration(even_batches=True),
+        step_scheduler_with_optimizer=False,
+    )
+
+
+class Trainer:
+    """Holds the run's shared objects; :meth:`run` executes the stages in order."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.acc = _accelerator(cfg)
+        self.main = self.acc.is_main_process
+        self.global_step = 0
+        self.timers: dict[str, Timer] = {}
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Setup
+
+    def print(self, *a) -> None:
+        if self.main:
+            tqdm.write(" ".join(str(x) for x in a))
+
+    def setup(self) -> None:
+        cfg, acc = self.cfg, self.acc
+        if cfg.threads > 0:
+            torch.set_num_threads(cfg.threads)
+        from accelerate.utils import set_seed
+
+        set_seed(cfg.seed)
+        self.model, self.tok = load_model(cfg.teacher.model, acc.device)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        from core_kv.teacher.geometry import model_fingerprint
+
+        fp = model_fingerprint(self.model)
+        params = cfg.teacher.teacher_params()
+        try:
+            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params)
+        except (FileNotFoundError, TeacherDatasetMismatch) as e:
+            if not cfg.build_teacher:
+                raise
+            self.print(f"teacher data: {e} -> building it (python -m core_kv.teacher equivalent)")
+            run_teacher(replace(cfg.teacher, progress=cfg.progress and cfg.teacher.progress))
+            acc.wait_for_everyone()
+            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params)
+        self.print(f"teacher data: {self.ds.path} ({len(self.ds)} records)")
+        geometry = self.ds.geometry()
+        t = self.ds.manifest["teacher"]
+        self.core_config = CoreConfig.for_model(
+            self.model, geometry, write_rule=cfg.write_rule, protected_sinks=t["protected_sinks"],
+            protected_recent=t["protected_recent"], chunk_size=t["chunk_size"], teacher=t,
+            feature_spec=self.ds.manifest["feature_spec"],
+        )  # fmt: skip
+        torch.manual_seed(cfg.seed)
+        self.core = CoreModel(self.core_config)
+        self.core.memory.reset_parameters(cfg.seed)
+        self.core.set_geometry(geometry)
+        self.core.indexer.set_feature_stats(self.ds.feature_stats())
+        self.core.to(acc.device)
+        self.geometry = self.core.geometry()
+        self.spec = ReplaySpec(
+            chunk_size=t["chunk_size"], protected_sinks=t["protected_sinks"], protected_recent=t["protected_recent"],
+            qa_weight=t["qa_weight"], lam=t["lam"], steps=t["steps"],
+            eta=t["eta"] if t["eta"] == "auto" else float(t["eta"]),
+        )  # fmt: skip
+        self.autocast = acc.autocast() if acc.mixed_precision != "no" else None
+        self._docs: dict[int, object] = {}
+        if cfg.wandb:
+            acc.init_trackers(cfg.wandb_project, config=to_dict(cfg))
+
+    def docs(self, indices: list[int]) -> list:
+        missing = [i for i in indices if i not in self._docs]
+        if missing:
+            for d in make_docs(self.cfg.teacher.data, missing, self.tok):
+                self._docs[d.index] = d
+        return [self._docs[i] for i in indices]
+
+    def context(self, name: str) -> Context:
+        self.timers[name] = self.timers.get(name) or Timer(self.acc.device)
+        return Context(self.model, self.geometry, self.spec, self.timers[name], self.autocast)
+
+    def doc_items(self, steps: int) -> list[DocItem]:
+        """The fixed, global data order of a document stage (cycled pool; ratio by position)."""
+        cfg = self.cfg
+        n = steps * cfg.grad_accum * cfg.micro_batch * self.acc.num_processes
+        pool = self.docs(list(range(cfg.train_docs)))
+        return [DocItem(pool[j % len(pool)], cfg.ratios[j % len(cfg.ratios)]) for j in range(n)]
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Generic stage loop
+
+    def stage_file(self, name: str) -> Path:
+        return self.out / "stages" / f"{name}.safetensors"
+
+    def run_stage(self, name: str, module, params_of, items: list, total: int, scfg, per_micro: int) -> None:
+        """Optimise ``module`` for ``total`` optimizer steps over ``items`` (already in global order)."""
+        cfg, acc = self.cfg, self.acc
+        done = self.stage_file(name)
+        target = params_of()
+        if done.is_file():
+            _load_into(target, load_file(str(done)))
+            self.print(f"[{name}] finished earlier: loaded {done}")
+            self.global_step += total
+            return
+        if total == 0:
+            self._save_stage(name, target)
+            return
+        optimizer = torch.optim.AdamW(
+            [p for p in module.parameters() if p.requires_grad], lr=scfg.lr, weight_decay=scfg.weight_decay
+        )
+        loader = DataLoader(_ListData(items), batch_size=per_micro, shuffle=False, collate_fn=_collate)
+        module, optimizer, loader = acc.prepare(module, optimizer, loader)
+        state_root = self.out / "state" / name
+        start = _latest_step(state_root)
+        if start:
+            acc.load_state(str(state_root / f"step_{start:06d}"))
+            self.print(f"[{name}] resumed from step {start}")
+        active = acc.skip_first_batches(loader, start * cfg.grad_accum) if start else loader
+        step, t0, tokens, base = start, time.perf_counter(), 0, self.global_step
+        bar = tqdm(total=total, initial=start, desc=name, disable=not (cfg.progress and acc.is_local_main_process))
+        stopped = False
+        for batch in active:
+            with acc.accumulate(module):
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(step, total, scfg.lr, scfg.warmup_lr_steps)
+                loss, logs = module(batch)
+                timer = self.timers.get(name)
+                with timer("backward_optimizer") if timer else _nullctx():
+                    acc.backward(loss)
+                    if acc.sync_gradients and scfg.grad_clip > 0:
+                        acc.clip_grad_norm_(module.parameters(), scfg.grad_clip)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            tokens += logs.pop("tokens", 0)
+            if not acc.sync_gradients:
+                continue
+            step += 1
+            elapsed = time.perf_counter() - t0
+            record = {f"{name}/loss": float(loss.detach()), f"{name}/lr": optimizer.param_groups[0]["lr"]}
+            record.update({f"{name}/{k}": v for k, v in logs.items()})
+            if tokens:
+                record[f"{name}/tokens_per_s"] = tokens * acc.num_processes / max(elapsed, 1e-9)
+            acc.log(record, step=base + step)
+            bar.update(1)
+            bar.set_postfix({k.split("/")[1]: f"{v:.4g}" for k, v in record.items() if "lr" not in k})
+            if step % cfg.save_every == 0 or step == total:
+                self._save_state(state_root, step)
+            if cfg.stop_after and step - start >= cfg.stop_after and step < total:
+                stopped = True
+                break
+        bar.close()
+        acc.wait_for_everyone()
+        if stopped:
+            if step % cfg.save_every:
+                self._save_state(state_root, step)
+            acc.free_memory(module, optimizer, loader)
+            raise Interrupted(f"stopped after step {step} of stage {name} (stop_after={cfg.stop_after})")
+        self._save_stage(name, target)
+        acc.free_memory(module, optimizer, loader)
+        self.global_step = base + total
+
+    def _save_state(self, root: Path, step: int) -> None:
+        acc = self.acc
+        tmp, final = root / f".tmp-step_{step:06d}", root / f"step_{step:06d}"
+        if self.main and tmp.exists():
+            shutil.rmtree(tmp)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if self.main:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in sorted(root.glob("step_*"))[: -self.cfg.keep_last]:
+                shutil.rmtree(old)
+        acc.wait_for_everyone()
+
+    def _save_stage(self, name: str, target: dict) -> None:
+        if self.main:
+            tensors = {k: v.detach().cpu().contiguous() for k, v in target.items()}
+            atomic_write(self.stage_file(name), lambda tmp: save_file(tensors, tmp))
+        self.acc.wait_for_everyone()
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Stages
+
+    def stage_indexer(self) -> None:
+        cfg, ic = self.cfg, self.cfg.indexer
+        idx = self.core.indexer
+        params = lambda: _params(idx)  # noqa: E731
+        n_rec = ic.warmup_steps * cfg.grad_accum * ic.records_per_micro * self.acc.num_processes
+        records = []
+        if n_rec and not self.stage_file("indexer_warmup").is_file():
+            pool = self.ds.records()
+            records = [pool[j % len(pool)] for j in range(n_rec)]
+        t = self.core_config
+        warm = WarmupStep(idx, ic.rank_weight, t.protected_sinks, t.protected_recent)
+        self.run_stage("indexer_warmup", warm, params, records, ic.warmup_steps, ic, ic.records_per_micro)
+        items = [] if self.stage_file("indexer").is_file() else self.doc_items(ic.steps)
+        step = OnPolicyStep(idx, self.context("indexer"), ic.rank_weight)
+        self.run_stage("indexer", step, params, items, ic.steps, ic, cfg.micro_batch)
+
+    def stage_calibration(self) -> dict:
+        """Fit T_l on held-out documents so ε̂ matches the true evicted mass; returns the errors per layer."""
+        cfg, acc = self.cfg, self.acc
+        path = self.out / "stages" / "calibration.json"
+        idx = self.core.indexer
+        if path.is_file():
+            res = json.loads(path.read_text())
+            idx.temperature.copy_(torch.tensor(res["temperature"]))
+            self.print(f"[calibration] finished earlier: T = {res['temperature']}")
+            return res
+        ctx = self.context("calibration")
+        mine = [i for i in range(cfg.calib_docs) if i % acc.num_processes == acc.process_index]
+        data = []  # (layer, scores, evicted, alpha) on CPU
+        with torch.no_grad():
+            for i, doc in zip(mine, self.docs([CALIB_OFFSET + i for i in mine]), strict=True):
+                ratio = cfg.ratios[i % len(cfg.ratios)]
+                spec = replace(self.spec, ratio=ratio, policy="student", targets=False, utility=True)
+                acts = ctx.acts(doc)
+                for layer, a in enumerate(acts):
+                    for ev in replay_layer(
+                        a, layer, ctx.times(doc), doc.qa_start, self.geometry, spec, idx.scores, ctx.timer
+                    ):
+                        if ev.evicts and ev.pi_u is not None:
+                            ev_mask = ~ev.kept
+                            alpha = (ev.pi_u * ev_mask).sum(-1)
+                            data.append((layer, ev.scores.cpu(), ev_mask.cpu(), alpha.float().cpu()))
+        from accelerate.utils import gather_object
+
+        data = gather_object(data) if acc.num_processes > 1 else data
+        data.sort(key=lambda x: x[0])  # stable: same order on every rank
+        temps, per_layer = [], []
+        cc = cfg.calibration
+        for layer in range(self.core_config.num_layers):
+            rows = [d for d in data if d[0] == layer]
+            t, stats = fit_temperature(
+                [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+                (cc.log_t_min, cc.log_t_max), cc.grid,
+            )  # fmt: skip
+            temps.append(t)
+            per_layer.append(stats)
+        idx.temperature.copy_(torch.tensor(temps))
+        n = sum(s["n"] for s in per_layer)
+        res = {
+            "temperature": temps,
+            "per_layer": per_layer,
+            "before": sum(s["before"] * s["n"] for s in per_layer) / max(n, 1),
+            "after": sum(s["after"] * s["n"] for s in per_layer) / max(n, 1),
+            "docs": cfg.calib_docs,
+        }
+        if self.main:
+            atomic_write_json(path, res)
+        acc.wait_for_everyone()
+        self.print(
+            f"[calibration] T = {[round(x, 3) for x in temps]}; |α − ε̂| {res['before']:.4f} -> {res['after']:.4f}"
+        )
+        acc.log({"calibration/error_before": res["before"], "calibration/error_after": res["after"]},
+                step=self.global_step)  # fmt: skip
+        return res
+
+    def stage_memory(self) -> None:
+        cfg, mc = self.cfg, self.cfg.memory
+        for p in self.core.indexer.parameters():
+            p.requires_grad_(False)
+        items = [] if self.stage_file("memory").is_file() else self.doc_items(mc.steps)
+        step = MemoryStep(self.core.memory, self.core.indexer, self.context("memory"), cfg.write_rule, mc.gate_weight)
+        self.run_stage("memory", step, lambda: _params(self.core.memory), items, mc.steps, mc, cfg.micro_batch)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Report
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out report: KL, Top-B overlap, Table 7 rows, calibration, memory error (gathered over ranks)."""
+        cfg, acc = self.cfg, self.acc
+        idx = self.core.indexer
+        ctx = self.context("eval")
+        mine = [i for i in range(cfg.eval_docs) if i % acc.num_processes == acc.process_index]
+        rows = []
+        mem_step = MemoryStep(self.core.memory, idx, ctx, cfg.write_rule, cfg.memory.gate_weight)
+        for doc in self.docs([EVAL_OFFSET + i for i in mine]):
+            acts = ctx.acts(doc)
+            for ratio in cfg.eval_ratios:
+                tag = f"r{round(100 * ratio)}"
+                for policy in ("student", "full"):
+                    spec = replace(self.spec, ratio=ratio, policy=policy, targets=True)
+                    for layer, a in enumerate(acts):
+                        for ev in replay_layer(
+                            a, layer, ctx.times(doc), doc.qa_start, self.geometry, spec, idx.scores, ctx.timer
+                        ):
+                            if ev.p_star is None:
+                                continue
+                            rows.append(_event_rows(tag, policy, layer, ev, self.spec, ratio, self.geometry, a, idx))
+                terms, rm, rn, gg = mem_step.doc_terms(DocItem(doc, ratio))
+                rows.append({"kind": "memory", "tag": tag, "rel_mem": rm, "rel_none": rn, "gate_gap": gg})
+        from accelerate.utils import gather_object
+
+        rows = gather_object(rows) if acc.num_processes > 1 else rows
+        return _summarise(rows, cfg.eval_ratios)
+
+    def timing(self) -> dict:
+        """Step-time breakdown (seconds and shares) of the on-policy indexer and memory stages, and deployment."""
+        out = {}
+        for name, t in self.timers.items():
+            total = sum(t.seconds.values())
+            if total:
+                out[name] = {"seconds": dict(t.seconds), "share": {k: v / total for k, v in t.seconds.items()}}
+        ev = self.timers.get("eval")
+        if ev:
+            deploy = {k: ev.seconds.get(k, 0.0) for k in ("base_forward", "features", "indexer", "memory")}
+            tot = sum(deploy.values())
+            out["deployment_parts"] = {
+                "seconds": deploy,
+                "share": {k: v / tot for k, v in deploy.items()} if tot else {},
+                "outside_base_forward": (tot - deploy["base_forward"]) / tot if tot else float("nan"),
+                "note": "eval replay (no teacher targets): frozen base forward vs features vs indexer vs memory",
+            }
+        return out
+
+    def save_final(self, summary: dict) -> Path:
+        cfg, acc = self.cfg, self.acc
+        final = self.out / "final"
+        if self.main:
+            tmp = self.out / ".tmp-final"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            self.core.to("cpu").save_pretrained(str(tmp), save_function=acc.save)
+            self.core.to(acc.device)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            from omegaconf import OmegaConf
+
+            atomic_write_text(self.out / "config.yaml", OmegaConf.to_yaml(to_dict(cfg)))
+            atomic_write_json(self.out / "summary.json", summary)
+        acc.wait_for_everyone()
+        return final
+
+    def close(self) -> None:
+        if self.cfg.wandb:
+            self.acc.end_training()
+        self.acc.free_memory()
+        if self.acc.num_processes > 1 and torch.distributed.is_initialized():
+            self.acc.end_training()
+
+
+def _event_rows(tag, policy, layer, ev, spec, ratio, geometry, acts, idx) -> dict:
+    row = {"kind": "event", "tag": tag, "policy": policy, "layer": layer,
+           "kl": float(kl_to_teacher(ev.p_star, ev.scores).mean())}  # fmt: skip
+    if policy == "student":
+        if ev.evicts and ev.b_free > 0:
+            row["overlap"] = float(topb_overlap(ev.scores, ev.p_star, ev.protected, ev.b_free).mean())
+            ev_mask = ~ev.kept
+            row["alpha"] = (ev.pi_u * ev_mask).sum(-1).float().tolist()
+            row["eps_cal"] = excluded_mass(ev.scores, ev_mask, idx.temperature[layer]).tolist()
+            row["eps_raw"] = excluded_mass(ev.scores, ev_mask, 1.0).tolist()
+        return row
+    n = ev.cand.shape[1]
+    b, s, w = budget_split(n, ratio, spec.protected_sinks, spec.protected_recent)
+    b_free = b - s - w
+    if not 0 < b_free < n - s - w:
+        return row
+    prot = protected_mask(n, s, w, device=ev.cand.device)
+    row["overlap"] = float(topb_overlap(ev.scores, ev.p_star, prot, b_free).mean())
+    heads = torch.arange(ev.cand.shape[0], device=ev.cand.device)[:, None]
+    phi = geometry.nystrom(layer, geometry.project(layer, acts.k_pre))[heads, ev.cand].double()
+    beta_b = normalised_beta_b(phi)
+    sets = {
+        "utility": top_free(ev.pi_u, prot, b_free),
+        "teacher": top_free(ev.p_star, prot, b_free),
+        "student": top_free(ev.scores.float(), prot, b_free),
+        "greedy": greedy_select(ev.pi_u, phi, beta_b, prot, b_free),
+    }
+    for name, mask in sets.items():
+        u, c = set_quality(mask, ev.pi_u, phi, beta_b)
+        row[f"U.{name}"], row[f"C.{name}"] = u.tolist(), c.tolist()
+    return row
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _summarise(rows: list[dict], ratios: list[float]) -> dict:
+    out: dict = {}
+    for r in ratios:
+        tag = f"r{round(100 * r)}"
+        ev = [x for x in rows if x["kind"] == "event" and x["tag"] == tag]
+        res: dict = {}
+        for policy in ("student", "full"):
+            sel = [x for x in ev if x["policy"] == policy]
+            res[f"kl_{policy}_candidates"] = _mean(x["kl"] for x in sel)
+            res[f"topb_overlap_{policy}_candidates"] = _mean(x["overlap"] for x in sel if "overlap" in x)
+        st = [x for x in ev if x["policy"] == "student" and "alpha" in x]
+        alpha = torch.tensor([a for x in st for a in x["alpha"]])
+        res["calibration_error_T1"] = calibration_error(torch.tensor([a for x in st for a in x["eps_raw"]]), alpha)
+        res["calibration_error_T"] = calibration_error(torch.tensor([a for x in st for a in x["eps_cal"]]), alpha)
+        res["mean_true_evicted_mass"] = float(alpha.mean()) if alpha.numel() else float("nan")
+        full = [x for x in ev if x["policy"] == "full" and "U.student" in x]
+        t7 = {}
+        for name in ("utility", "teacher", "student", "greedy"):
+            u = [v for x in full for v in x[f"U.{name}"]]
+            c = [v for x in full for v in x[f"C.{name}"]]
+            if u:
+                t7[name] = {"U_B": _mean(u), "C_B": _mean(c), "J_B": _mean(a + b for a, b in zip(u, c, strict=True))}
+        res["table7"] = t7
+        if "student" in t7 and "teacher" in t7:
+            res["student_J_over_teacher_J"] = t7["student"]["J_B"] / t7["teacher"]["J_B"]
+        mem = [x for x in rows if x["kind"] == "memory" and x["tag"] == tag]
+        res["memory_rel_err"] = _mean(v for x in mem for v in x["rel_mem"])
+        res["retained_only_rel_err"] = _mean(v for x in mem for v in x["rel_none"])
+        res["gate_abs_err_vs_alpha"] = _mean(v for x in mem for v in x["gate_gap"])
+        res["events"] = len(st)
+        out[tag] = res
+    return out
+
+
+def _params(module) -> dict:
+    return dict(module.named_parameters())
+
+
+def _load_into(target: dict, tensors: dict) -> None:
+    with torch.no_grad():
+        for k, p in target.items():
+            p.copy_(tensors[k].to(p.device))
+
+
+def _latest_step(root: Path) -> int:
+    steps = [int(p.name.split("_")[1]) for p in root.glob("step_*") if p.is_dir()]
+    return max(steps, default=0)
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def format_summary(summary: dict) -> str:
+    lines = ["CORE stage 2 — distillation, calibration, memory (held-out documents)"]
+    for tag, r in summary["eval"].items():
+        lines.append(
+            f"  {tag}: KL {r['kl_student_candidates']:.4f} (student cands) / {r['kl_full_candidates']:.4f} (full); "
+            f"Top-B overlap {100 * r['topb_overlap_student_candidates']:.1f}% / {100 * r['topb_overlap_full_candidates']:.1f}%"
+        )
+        lines.append(
+            f"        |α − ε̂| {r['calibration_error_T1']:.4f} (T=1) -> {r['calibration_error_T']:.4f} (calibrated); "
+            f"rel. err. retained-only {r['retained_only_rel_err']:.4f} -> with memory {r['memory_rel_err']:.4f}"
+        )
+        for name, v in r["table7"].items():
+            lines.append(f"        Table 7 {name:>8}: U_B {v['U_B']:.4f}  C_B {v['C_B']:.4f}  J_B {v['J_B']:.4f}")
+    dp = summary["timing"].get("deployment_parts")
+    if dp:
+        lines.append(
+            "  time (eval replay): "
+            + ", ".join(f"{k} {100 * v:.1f}%" for k, v in dp["share"].items())
+            + f"; outside the base forward {100 * dp['outside_base_forward']:.1f}%"
+        )
+    lines.append(f"  artifact: {summary['artifact']}  ({summary['wall_s']:.0f} s)")
+    return "\n".join(lines)
+
+
+def train(cfg) -> dict:
+    """Run every stage (resuming where a previous run stopped) and write ``<out_dir>/final/``.
+
+    Returns the summary dict (also ``<out_dir>/summary.json``); raises :class:`Interrupted` when ``stop_after``
+    stops the run early.
+    """
+    t0 = time.perf_counter()
+    tr = Trainer(cfg)
+    final = tr.out / "final"
+    try:
+        if (final / "config.json").is_file() and (tr.out / "summary.json").is_file() and not cfg.overwrite:
+            summary = json.loads((tr.out / "summary.json").read_text())
+            tr.print(f"{final} exists (overwrite=true to retrain)")
+            tr.print(format_summary(summary))
+            return summary
+        if cfg.overwrite and tr.main:
+            for sub in ("state", "stages", "final"):
+                shutil.rmtree(tr.out / sub, ignore_errors=True)
+        tr.acc.wait_for_everyone()
+        tr.setup()
+        tr.stage_indexer()
+        calib = tr.stage_calibration()
+        tr.stage_memory()
+        ev = tr.evaluate()
+        summary = {
+            "eval": ev,
+            "calibration": calib,
+            "timing": tr.timing(),
+            "teacher_metrics": tr.ds.manifest.get("metrics"),
+            "teacher_table7": _teacher_table7(tr.ds),
+            "parameters": tr.core.num_parameters_by_part(),
+            "memory_state_bytes": tr.core.memory.state_bytes(),
+            "num_processes": tr.acc.num_processes,
+            "docs_per_step": cfg.micro_batch * cfg.grad_accum * tr.acc.num_processes,
+            "artifact": str(final),
+            "wall_s": time.perf_counter() - t0,
+        }
+        tr.save_final(summary)
+        tr.print(format_summary(summary))
+        return summary
+    finally:
+        tr.close()
+
+
+def _teacher_table7(ds: TeacherDataset) -> dict | None:
+    path = ds.path / ds.manifest.get("metrics", "metrics.json")
+    if path.is_file():
+        return json.loads(path.read_text()).get("table7")
+    return None

@@ -1,0 +1,249 @@
+"""CORE's latent memory and gate (CORE.md stage 4; paper Table 9; indexmem_core.md §3.6–3.7).
+
+One memory state per (layer, KV head) [choice], in pre-W_O space, with the paper's shapes [paper Table 9]:
+map ``φ: R^D → R^512`` without bias, state ``M ∈ R^{512×D}``, ``b ∈ R^512``, ``Z ∈ R``. Positive features
+``φ⁺(x) = softplus(W_φ x)`` on pre-RoPE keys/queries [choice: a content-only kernel with positive normalisers].
+
+Writes at an eviction event with evicted set E and weights w (:func:`write_weights`)::
+
+    M += Σ_{i∈E} w_i φ⁺(k̃_i) v_iᵀ        b += Σ_{i∈E} w_i φ⁺(k̃_i)        Z += Σ_{i∈E} w_i
+
+| rule            | w_i       | ΔZ per event | paper                         |
+|-----------------|-----------|--------------|-------------------------------|
+| mass-weighted   | p_i       | ε̂            | CORE's rule (Tables 3, 8)     |
+| equal-event     | p_i / ε̂   | 1            | ablation (Table 8)            |
+| uniform-token   | 1         | |E|          | ``CORE_ind`` (Table 3)        |
+
+Readout for a query head with pre-RoPE query q̃: ``m(q) = Mᵀφ⁺(q̃) / (bᵀφ⁺(q̃) + ε)``; output before W_O:
+``ô = o_R + g(q) (m(q) − o_R)`` with ``g = σ(w_lᵀ f(q) + β_{l,h})`` [paper form, gate features are a choice]:
+``f = [log(Z+ε), log(bᵀφ⁺(q̃)+ε), lse_R(q), log(‖m − o_R‖ + ε) − log(‖o_R‖ + ε)]`` — the ideal gate is the
+true evicted mass ``α_E(q) = σ(log S_E − lse_R)``, so the log-normalisers are its natural inputs.
+
+The state also keeps ``s_v = Σ w_i v_i`` and ``r = max_{i∈E} ‖v_i − c_E‖`` (running) for the certificate's
+write-weighted centroid ``c_E = s_v / Z`` (CORE.md "Certificate").
+
+Everything here is a pure function of tensors, so the press (issue 8) and the trainer share it; gradients flow
+from the readout through ``M`` and ``b`` into ``W_φ``.
+
+Shapes: Hkv KV heads, H query heads (GQA: head h uses KV head h // G), E evicted tokens, T queries, D head dim,
+P = 512 memory features, L layers, F_g = 4 gate features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MEMORY_DIM = 512  # [paper Table 9]
+GATE_FEATURES = ("log_Z", "log_bphi", "lse_retained", "log_gap_ratio")
+WRITE_RULES = ("mass", "equal_event", "uniform_token")
+EPS = 1e-6
+
+
+@dataclass
+class MemoryState:
+    """Memory of one layer, every KV head (fp32)."""
+
+    M: torch.Tensor  # (Hkv, P, D)
+    b: torch.Tensor  # (Hkv, P)
+    Z: torch.Tensor  # (Hkv,)
+    s_v: torch.Tensor  # (Hkv, D) Σ w_i v_i (certificate centroid numerator)
+    radius: torch.Tensor  # (Hkv,) running max ‖v_i − c_E‖ over written tokens
+    events: int = 0
+
+    @classmethod
+    def empty(cls, kv_heads: int, head_dim: int, dim: int = MEMORY_DIM, device=None) -> MemoryState:
+        z = lambda *s: torch.zeros(*s, device=device, dtype=torch.float32)  # noqa: E731
+        return cls(z(kv_heads, dim, head_dim), z(kv_heads, dim), z(kv_heads), z(kv_heads, head_dim), z(kv_heads))
+
+    @property
+    def centroid(self) -> torch.Tensor:
+        """Write-weighted evicted centroid ``c_E = s_v / Z`` (Hkv, D); zero where nothing was written."""
+        return self.s_v / self.Z.clamp_min(EPS)[:, None]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.M, self.b, self.Z, self.s_v, self.radius))
+
+
+def write_weights(p: torch.Tensor, evicted: torch.Tensor, rule: str = "mass") -> torch.Tensor:
+    """Per-candidate write weights (zero outside E) for one event.
+
+    Args:
+        p: The calibrated distribution over candidates ``softmax(s / T)`` (Hkv, N).
+        evicted: Evicted mask (Hkv, N).
+        rule: ``mass`` (w = p), ``equal_event`` (w = p / ε̂) or ``uniform_token`` (w = 1).
+
+    Returns:
+        Weights (Hkv, N).
+    """
+    ev = evicted.to(p.dtype)
+    if rule == "mass":
+        return p * ev
+    if rule == "equal_event":
+        eps_hat = (p * ev).sum(-1, keepdim=True)
+        return torch.where(eps_hat > 0, p * ev / eps_hat.clamp_min(1e-30), torch.zeros_like(p))
+    if rule == "uniform_token":
+        return ev
+    raise ValueError(f"unknown write rule {rule!r}; expected one of {WRITE_RULES}")
+
+
+def positive_features(w_phi: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``φ⁺(x) = softplus(W_φ x)``: ``w_phi`` (Hkv, P, D), ``x`` (Hkv, ..., D) -> (Hkv, ..., P)."""
+    hkv, p, d = w_phi.shape
+    flat = x.reshape(hkv, -1, d).float()
+    return F.softplus(flat @ w_phi.float().mT).reshape(*x.shape[:-1], p)
+
+
+def write(
+    state: MemoryState, w_phi: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, weights: torch.Tensor
+) -> MemoryState:
+    """One eviction event's write (functional: returns a new state, differentiable in ``w_phi``).
+
+    Args:
+        state: The layer's state before the event.
+        w_phi: The layer's map (Hkv, P, D).
+        keys: Pre-RoPE keys of the candidates (Hkv, N, D) (or only the evicted ones).
+        values: Their values (Hkv, N, D).
+        weights: Write weights (Hkv, N), zero for tokens not written (:func:`write_weights`).
+    """
+    w = weights.float()
+    fk = positive_features(w_phi, keys)  # (Hkv, N, P)
+    v = values.float()
+    wf = fk * w[..., None]  # (Hkv, N, P)
+    s_v = state.s_v + (w[..., None] * v).sum(1)
+    z = state.Z + w.sum(-1)
+    centre = s_v / z.clamp_min(EPS)[:, None]
+    dist = (v - centre[:, None]).norm(dim=-1).masked_fill(w <= 0, 0.0)  # (Hkv, N)
+    return replace(
+        state,
+        M=state.M + wf.mT @ v,
+        b=state.b + wf.sum(1),
+        Z=z,
+        s_v=s_v,
+        radius=torch.maximum(state.radius, dist.amax(-1).detach()),
+        events=state.events + 1,
+    )
+
+
+def read(state: MemoryState, w_phi: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Memory readout per query head.
+
+    Args:
+        state: Layer state (Hkv KV heads).
+        w_phi: The layer's map (Hkv, P, D).
+        queries: Pre-RoPE queries (H, T, D), H = G·Hkv (head h reads KV head h // G).
+
+    Returns:
+        ``(m (H, T, D), bᵀφ⁺(q) (H, T))``.
+    """
+    h, t, d = queries.shape
+    hkv = state.M.shape[0]
+    g = h // hkv
+    fq = positive_features(w_phi, queries.reshape(hkv, g * t, d))  # (Hkv, G·T, P)
+    num = fq @ state.M  # (Hkv, G·T, D)
+    den = (fq * state.b[:, None]).sum(-1)  # (Hkv, G·T)
+    m = num / (den + EPS)[..., None]
+    return m.reshape(h, t, d), den.reshape(h, t)
+
+
+def gate_features(
+    state: MemoryState, bphi: torch.Tensor, lse_retained: torch.Tensor, m: torch.Tensor, o_r: torch.Tensor
+) -> torch.Tensor:
+    """Gate inputs ``f(q)`` (H, T, 4): ``[log Z, log bᵀφ⁺(q), lse_R(q), log ‖m − o_R‖/‖o_R‖]``."""
+    h, t = bphi.shape
+    g = h // state.Z.shape[0]
+    log_z = (state.Z + EPS).log().repeat_interleave(g)[:, None].expand(h, t)
+    gap = (m - o_r.float()).norm(dim=-1).add(EPS).log() - o_r.float().norm(dim=-1).add(EPS).log()
+    return torch.stack([log_z, (bphi + EPS).log(), lse_retained.float(), gap], -1)
+
+
+def compensate(
+    state: MemoryState,
+    w_phi: torch.Tensor,
+    gate_w: torch.Tensor,
+    gate_b: torch.Tensor,
+    queries: torch.Tensor,
+    o_retained: torch.Tensor,
+    lse_retained: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated residual reconstruction ``ô = o_R + g (m − o_R)`` before W_O, per query head.
+
+    Args:
+        state: Layer state.
+        w_phi: (Hkv, P, D).
+        gate_w: Gate weights of the layer (F_g,).
+        gate_b: Gate bias per query head (H,).
+        queries: Pre-RoPE queries (H, T, D).
+        o_retained: Attention output over the retained cache (H, T, D).
+        lse_retained: Its log-partition ``log Σ_{i∈R} exp(q·k_i · scaling)`` (H, T).
+
+    Returns:
+        ``(ô (H, T, D), g (H, T))``; ``g = 0`` for heads whose memory is empty.
+    """
+    m, bphi = read(state, w_phi, queries)
+    f = gate_features(state, bphi, lse_retained, m, o_retained)
+    g = torch.sigmoid(f @ gate_w.float() + gate_b.float()[:, None])  # (H, T)
+    h = queries.shape[0]
+    written = (state.Z > 0).repeat_interleave(h // state.Z.shape[0])[:, None]
+    g = g * written
+    o = o_retained.float()
+    return o + g[..., None] * (m - o), g
+
+
+class LatentMemory(nn.Module):
+    """Trainable parameters of the memory and gate for every layer.
+
+    Args:
+        num_layers: L.
+        num_heads: H query heads.
+        num_kv_heads: Hkv.
+        head_dim: D.
+        dim: P (512, paper Table 9).
+        seed: Initialisation seed (``W_φ`` orthogonal rows scaled by 1/√D [choice, indexmem_core.md §3.6]).
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, dim: int = MEMORY_DIM):
+        super().__init__()
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.dim = (
+            num_layers, num_heads, num_kv_heads, head_dim, dim,
+        )  # fmt: skip
+        self.w_phi = nn.Parameter(torch.empty(num_layers, num_kv_heads, dim, head_dim))  # no bias [paper]
+        self.gate_w = nn.Parameter(torch.zeros(num_layers, len(GATE_FEATURES)))
+        self.gate_b = nn.Parameter(torch.zeros(num_layers, num_heads))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(self.num_layers * self.num_kv_heads, self.dim, self.head_dim, generator=g)
+        q, _ = torch.linalg.qr(w)  # (.., P, D) orthonormal columns
+        self.w_phi.copy_(q.reshape_as(self.w_phi) * (self.dim / self.head_dim) ** 0.5 / self.head_dim**0.5)
+        self.gate_w.zero_()
+        self.gate_w[:, 1] = 1.0  # more written kernel mass -> open the gate
+        self.gate_w[:, 2] = -1.0  # more retained attention mass -> close it
+        self.gate_b.fill_(-2.0)
+
+    def empty_state(self, device=None) -> MemoryState:
+        return MemoryState.empty(self.num_kv_heads, self.head_dim, self.dim, device=device)
+
+    def write(self, state: MemoryState, layer: int, keys, values, weights) -> MemoryState:
+        """:func:`write` with this layer's map."""
+        return write(state, self.w_phi[layer], keys, values, weights)
+
+    def read(self, state: MemoryState, layer: int, queries):
+        """:func:`read` with this layer's map."""
+        return read(state, self.w_phi[layer], queries)
+
+    def compensate(self, state: MemoryState, layer: int, queries, o_retained, lse_retained):
+        """:func:`compensate` with this layer's map and gate."""
+        return compensate(
+            state, self.w_phi[layer], self.gate_w[layer], self.gate_b[layer], queries, o_retained, lse_retained
+        )
+
+    def state_bytes(self, dtype_bytes: int = 4) -> int:
+        """Auxiliary state bytes for the whole model: ``L · Hkv · (P·D + P + 1 + D + 1)`` numbers."""
+        d, p = self.head_dim, self.dim
+        return self.num_layers * self.num_kv_heads * (p * d + p + 1 + d + 1) * dtype_bytes

@@ -1,0 +1,22 @@
+"""Train CORE stages 2–4 for one base model: ``accelerate launch train.py [--config configs/train/X.yaml] [a.b=v ...]``.
+
+With no arguments it trains the shipped proxy configuration (builds or reuses the proxy teacher data) and writes
+``checkpoints/core-proxy/final/``. See ``core_kv/distill/config.py`` for every option.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from core_kv.config import load_config
+from core_kv.distill.config import TrainConfig
+from core_kv.distill.trainer import train
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = load_config(TrainConfig, sys.argv[1:] if argv is None else argv)
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()
