@@ -1,0 +1,208 @@
+"""Reports read at a glance: markdown tables (methods × ratios, per task, with KV payload and auxiliary bytes),
+compression-curve PNGs (score vs fraction of the cache removed, like the papers' figures), and tracker logging.
+
+Cells are the ``metrics.json`` dicts the runner writes. The ``full`` reference is stored once as ratio 0 and shown at
+every ratio: it is the uncompressed model, whatever the ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from core_kv.eval.benchmarks import Benchmark
+
+REFERENCE = "full"
+
+
+def human_bytes(n: float | None) -> str:
+    """``123456`` -> ``"120.6 KiB"``; ``None`` -> ``"-"``."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if 0 < abs(v) < 0.1 else f"{v:.2f}"
+    return str(v)
+
+
+def _benchmarks(cells: list[dict]) -> list[str]:
+    return list(dict.fromkeys(c["benchmark"] for c in cells))
+
+
+def _methods(cells: list[dict]) -> list[str]:
+    return list(dict.fromkeys(c["method"] for c in cells))
+
+
+def _ratios(cells: list[dict]) -> list[float]:
+    return sorted({c["ratio"] for c in cells if c["method"] != REFERENCE})
+
+
+def _lookup(cells: list[dict], method: str, ratio: float) -> dict | None:
+    """The cell of ``method`` at ``ratio``; the reference answers for every ratio."""
+    for c in cells:
+        if c["method"] == method and (method == REFERENCE or math.isclose(c["ratio"], ratio)):
+            return c
+    return None
+
+
+def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
+    """The run's tables, one section per benchmark.
+
+    Each section has the headline table (methods × ratios of the benchmark's average, the reference row repeated
+    at every ratio), then one row per (method, ratio) with every task, the average, and the mean KV payload bytes,
+    auxiliary bytes and context tokens per context.
+
+    Args:
+        cells: cell metrics in run order.
+        model_label: the model as reports name it (the tiny random model says so).
+        cfg: the run config (for a header line), optional.
+
+    Returns:
+        Markdown text.
+    """
+    lines = [f"# core_kv evaluation - model: {model_label}", ""]
+    if cfg is not None:
+        cap = cfg.generation.max_new_tokens
+        lines.append(
+            f"methods {list(cfg.methods)} x ratios {list(cfg.ratios)} (fraction of the KV cache removed); "
+            f"reference `{REFERENCE}` computed once per benchmark"
+            + (f"; generation capped at {cap} new tokens (smoke: not comparable to published numbers)" if cap else "")
+        )
+        lines.append("")
+    for bench in _benchmarks(cells):
+        bc = [c for c in cells if c["benchmark"] == bench]
+        ratios = _ratios(bc)
+        first = bc[0]
+        direction = "higher is better" if first.get("higher_is_better", True) else "lower is better"
+        lines += [f"## {bench} - {first.get('average_label', 'average')} ({direction})", ""]
+        lines.append("| method | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+        lines.append("|---|" + "---|" * len(ratios))
+        for m in _methods(bc):
+            vals = [_lookup(bc, m, r) for r in ratios] if ratios else [_lookup(bc, m, 0.0)]
+            name = f"{m} (reference)" if m == REFERENCE else m
+            lines.append(f"| {name} | " + " | ".join(_fmt(v["average"]) if v else "-" for v in vals) + " |")
+        lines.append("")
+        tasks = list(dict.fromkeys(t for c in bc for t in c.get("tasks", {})))
+        head = ["method", "ratio", *tasks, "average", "KV payload / ctx", "aux state / ctx", "ctx tokens"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for c in bc:
+            row = [c["method"], f"{c['ratio']:.2f}", *(_fmt(c["tasks"].get(t)) for t in tasks), _fmt(c["average"])]
+            row += [
+                human_bytes(c.get("kv_bytes")),
+                human_bytes(c.get("aux_bytes")),
+                f"{c['context_tokens']:.0f}" if c.get("context_tokens") else "-",
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+        lines.append(f"{first['num_samples']} samples over {first['num_contexts']} contexts per cell.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> Path:
+    """Score vs fraction removed, one line per method (starting from the reference at 0), reference dashed.
+
+    Args:
+        cells: the cells of one benchmark.
+        path: output PNG (written atomically).
+        title: figure title (benchmark and model).
+
+    Returns:
+        The written path.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from core_kv.io import atomic_write
+
+    ref = _lookup(cells, REFERENCE, 0.0)
+    fig = Figure(figsize=(6.0, 4.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for m in _methods(cells):
+        if m == REFERENCE:
+            continue
+        pts = sorted((c["ratio"], c["average"]) for c in cells if c["method"] == m)
+        if ref is not None:
+            pts = [(0.0, ref["average"]), *pts]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    if ref is not None:
+        ax.axhline(ref["average"], color="black", linestyle="--", linewidth=1, label=f"{REFERENCE} (no compression)")
+    first = cells[0]
+    ax.set_xlabel("compression ratio (fraction of KV cache removed)")
+    ax.set_ylabel(first.get("average_label", "score"))
+    ax.set_title(title, fontsize=10)
+    ax.set_xlim(-0.02, 1.0)
+    if first.get("unit", "").startswith("score (0-100)"):
+        ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+
+
+def benchmark_plots(bench: Benchmark, entry: str, cells: list[dict], out_dir: Path) -> list[Path]:
+    """The compression curve of one benchmark plus its own per-cell figures (e.g. NIAH heat maps).
+
+    Per-cell figures need the cell's rows, read back from its ``predictions.jsonl``.
+    """
+    from core_kv.eval.runner import cell_dir
+    from core_kv.io import read_jsonl
+
+    cells = [c for c in cells if c]
+    if not cells:
+        return []
+    label = cells[0].get("model_label", cells[0]["model"])
+    files = [plot_compression_curves(cells, Path(out_dir) / f"curves__{entry}.png", f"{entry} - {label}")]
+    if type(bench).plots is not Benchmark.plots:
+        root = Path(out_dir).parent
+        for c in cells:
+            rows = read_jsonl(cell_dir(root, entry, c["model"], c["method"], c["ratio"]) / "predictions.jsonl")
+            name = f"{entry}__{c['method']}__{c['ratio']:.2f}"
+            files += bench.plots(rows, out_dir, name, f"{c['method']} @ {c['ratio']:.2f} - {label}")
+    return files
+
+
+def log_to_tracker(accelerator, cells: list[dict], markdown: str, images: list[Path]) -> None:
+    """Log every cell's metrics, the results table and the PNGs to the accelerator's trackers (main process)."""
+    flat = {}
+    for c in cells:
+        key = f"{c['benchmark']}/{c['method']}/{c['ratio']:.2f}"
+        flat[f"{key}/average"] = c["average"]
+        flat[f"{key}/kv_bytes"] = c.get("kv_bytes")
+        flat[f"{key}/aux_bytes"] = c.get("aux_bytes")
+        for t, v in c.get("tasks", {}).items():
+            flat[f"{key}/{t}"] = v
+    accelerator.log({k: v for k, v in flat.items() if v is not None})
+    columns = ["benchmark", "method", "ratio", "average", "kv_bytes", "aux_bytes", "context_tokens"]
+    data = [
+        [
+            c["benchmark"],
+            c["method"],
+            c["ratio"],
+            c["average"],
+            c.get("kv_bytes"),
+            c.get("aux_bytes"),
+            c.get("context_tokens"),
+        ]
+        for c in cells
+    ]
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            import wandb
+
+            tracker.log_table("results", columns=columns, data=data)
+            tracker.log({"report": wandb.Html(f"<pre>{markdown}</pre>")})
+            if images:
+                tracker.log_images({p.stem: [wandb.Image(str(p))] for p in images})

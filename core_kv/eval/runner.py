@@ -1,0 +1,593 @@
+"""The evaluation runner: one model, a grid of methods × compression ratios × benchmarks, resumable and self-describing.
+
+Run flow (kvpress ``evaluation/evaluate.py``, ``../shared/research/kvpress.md`` §3):
+
+1. Load the model once; for each benchmark load its samples and group them by context.
+2. Tokenize every group once (the same ids for every method; ``input_hash`` = sha256 of the ids is stored per row),
+   and check each input plus its generation budget fits the model's context window.
+3. For each cell -- the ``full`` reference once (stored as ratio 0, reused across ratios), then every method at every
+   ratio -- compress each context once and answer all of its questions.
+4. One folder per (benchmark, model, method, ratio) holds ``config.yaml``, ``predictions.jsonl`` and
+   ``metrics.json``. ``metrics.json`` is written last, so its presence marks a finished cell, which a rerun skips.
+   Groups finished before a crash are appended to ``predictions.partial.rank<r>.jsonl`` (one fsynced line per group)
+   and are not recomputed; finalized files are written atomically.
+5. Under ``accelerate launch`` the remaining groups of a cell are split across processes and gathered on the main
+   process, which alone writes.
+
+The markdown table, curves and tracker logging are in :mod:`core_kv.eval.report`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import broadcast_object_list, gather_object
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from core_kv.config import to_dict
+from core_kv.eval.benchmarks import (
+    BENCHMARKS,
+    Benchmark,
+    BenchmarkConfig,
+    EmptyDatasetError,
+    GenerationConfig,
+    GroupJob,
+    get_benchmark,
+)
+from core_kv.eval.schema import Sample
+from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
+from core_kv.models.loading import TINY, check_context_window, default_model, load_model, model_label
+from core_kv.presses.base import PRESSES, BasePress, build_press
+
+REFERENCE = "full"
+
+
+@dataclass
+class ModelConfig:
+    """The evaluated model.
+
+    Args:
+        name: hub id, local folder, or ``tiny``; empty means the repository default (``checkpoints/proxy-lm`` when
+            shipped, else the tiny random model, labelled as such).
+        dtype: ``auto``, ``bfloat16``, ``float16`` or ``float32``.
+        device_map: ``from_pretrained`` device map (``auto`` to shard one big model, single process only); ``null``
+            puts the model on each process's device.
+        attn_implementation: ``sdpa``, ``flash_attention_2`` or ``eager``.
+        trust_remote_code: forwarded to transformers.
+        revision: hub revision to pin.
+    """
+
+    name: str = ""
+    dtype: str = "auto"
+    device_map: str | None = None
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+
+@dataclass
+class TrackerConfig:
+    """Experiment tracking (off by default).
+
+    Args:
+        name: ``none`` or ``wandb``.
+        project: W&B project.
+        run_name: W&B run name (default: derived by W&B).
+        mode: ``WANDB_MODE`` used when the environment does not set one; ``offline`` needs no login
+            (``wandb sync`` uploads later).
+    """
+
+    name: str = "none"
+    project: str = "core_kv-eval"
+    run_name: str | None = None
+    mode: str = "offline"
+
+    def __post_init__(self):
+        if self.name not in ("none", "wandb"):
+            raise ValueError(f"tracker.name must be 'none' or 'wandb', got {self.name!r}")
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"tracker.mode must be offline, online or disabled, got {self.mode!r}")
+
+
+def _default_datasets() -> dict[str, BenchmarkConfig]:
+    # benchmarks.md §6.1 "offline-mini", cut to one sample per (task, length) so the default run takes minutes:
+    # 11 RULER tasks at L=2048 (shorter lengths cannot fit several tasks' haystacks) + 3 lengths x 3 depths of NIAH.
+    return {
+        "ruler": BenchmarkConfig(lengths=[2048], num_samples=1),
+        "niah": BenchmarkConfig(lengths=[512, 1024, 2048], options={"depths": [0, 50, 100]}),
+    }
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation: a model, methods × ratios, benchmarks. Defaults are the small offline suite.
+
+    Args:
+        model: the evaluated model.
+        methods: registered press names (``core_kv.presses.PRESSES``); ``full`` is the reference and runs once.
+        ratios: compression ratios (fraction of the KV cache removed), each in (0, 1).
+        reference: also run the uncompressed ``full`` reference (once per benchmark, stored as ratio 0).
+        press_options: extra constructor options per method, e.g. ``{snapkv: {window_size: 64}}``. A ``kind`` key
+            makes the method name a label for a configured press: ``methods=[ada_snapkv]`` with
+            ``press_options.ada_snapkv={kind: adakv, press: snapkv}``.
+        benchmarks: which entries of ``datasets`` to run, in order.
+        datasets: per-benchmark settings, keyed by entry name.
+        generation: feeding/answering options, identical for every method.
+        output_dir: results root; one sub-folder per (benchmark, model, method, ratio).
+        seed: data-generation seed.
+        tracker: experiment tracking (off by default).
+        progress: show progress bars.
+        plots: write compression-curve PNGs (and NIAH heat maps).
+        cpu_threads: torch intra-op threads for this run (restored afterwards); ``null`` keeps torch's setting. On a
+            busy CPU, 1 thread is often several times faster than spinning 2.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    methods: list[str] = field(default_factory=lambda: ["knorm", "snapkv", "streaming_llm"])
+    ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
+    reference: bool = True
+    press_options: dict[str, Any] = field(default_factory=dict)
+    benchmarks: list[str] = field(default_factory=lambda: ["ruler", "niah"])
+    datasets: dict[str, BenchmarkConfig] = field(default_factory=_default_datasets)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    output_dir: str = "results/eval"
+    seed: int = 42
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    progress: bool = True
+    plots: bool = True
+    cpu_threads: int | None = None
+
+    def __post_init__(self):
+        import core_kv.presses  # noqa: F401  (registers the built-in presses)
+
+        for m in self.methods:
+            kind = (self.press_options.get(m) or {}).get("kind", m)
+            if kind not in PRESSES:
+                raise ValueError(f"unknown method {kind!r}; registered presses: {', '.join(sorted(PRESSES))}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods has duplicates: {self.methods}")
+        for r in self.ratios:
+            if not 0.0 < r < 1.0:
+                raise ValueError(f"ratios must be in (0, 1) (fraction of the cache removed), got {r}")
+        if not self.benchmarks:
+            raise ValueError("benchmarks is empty: name at least one entry of datasets")
+        for b in self.benchmarks:
+            if b not in self.datasets:
+                self.datasets[b] = BenchmarkConfig()  # a registered benchmark with its defaults
+            kind = self.datasets[b].kind or b
+            if kind not in BENCHMARKS:
+                raise ValueError(f"unknown benchmark {kind!r}; registered: {', '.join(sorted(BENCHMARKS))}")
+        unknown_opts = set(self.press_options) - set(self.methods) - {REFERENCE}
+        if unknown_opts:
+            raise ValueError(f"press_options for methods not in the run: {sorted(unknown_opts)}")
+        if not self.methods and not self.reference:
+            raise ValueError("nothing to run: no methods and reference=false")
+        if self.model.device_map is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("model.device_map shards one model; it cannot be combined with several processes")
+
+
+@dataclass
+class EvalResults:
+    """What :func:`run_eval` returns (on every process; only the main process holds ``cells``).
+
+    Attributes:
+        cells: one metrics dict per (benchmark, method, ratio) cell, the reference first in each benchmark.
+        markdown: the report table.
+        output_dir: results root.
+        files: report files written (markdown, PNGs, results.json).
+    """
+
+    cells: list[dict]
+    markdown: str
+    output_dir: Path
+    files: list[Path] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------- naming, spec
+def model_slug(name: str) -> str:
+    """Folder-safe model name: ``meta-llama/Llama-3.1-8B`` -> ``meta-llama--Llama-3.1-8B``; a local folder -> its name."""
+    if name == TINY:
+        return "tiny-random"
+    path = Path(name)
+    if path.is_dir():
+        return path.resolve().name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name.replace("/", "--"))
+
+
+def cell_dir(output_dir: str | Path, benchmark: str, model: str, method: str, ratio: float) -> Path:
+    """``{output_dir}/{benchmark}__{model}__{method}__{ratio:.2f}`` (kvpress's layout)."""
+    return Path(output_dir) / f"{benchmark}__{model_slug(model)}__{method}__{ratio:.2f}"
+
+
+def group_by_context(samples: list[Sample]) -> list[list[int]]:
+    """Sample indices grouped by identical context, groups in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.context, []).append(i)
+    return list(groups.values())
+
+
+def _sha256_ids(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass
+class _Loaded:
+    """One benchmark entry of the run, loaded and tokenized once for all of its cells."""
+
+    entry: str
+    cfg: BenchmarkConfig
+    bench: Benchmark
+    samples: list[Sample]
+    groups: list[list[int]]
+    prep: _Prepared
+
+
+@dataclass
+class _Prepared:
+    """Tokenization facts of every sample of a benchmark (identical for all methods)."""
+
+    context_hash: list[str]
+    input_hash: list[str]
+    input_tokens: list[int]
+
+
+def _prepare(samples, groups, tokenizer, model, gen: GenerationConfig, name: str) -> _Prepared:
+    from core_kv.pipeline import encode
+
+    n = len(samples)
+    ctx_hash, in_hash, in_tokens = [""] * n, [""] * n, [0] * n
+    for g in groups:
+        group = [samples[i] for i in g]
+        enc = encode(
+            tokenizer,
+            group[0].context,
+            [s.question for s in group],
+            [s.answer_prefix for s in group],
+            gen.use_chat_template,
+            gen.max_context_length,
+        )
+        c_ids = enc.context_ids[0].tolist()
+        for i, s, q in zip(g, group, enc.question_ids, strict=True):
+            q_ids = q[0].tolist()
+            ctx_hash[i] = _sha256_ids(c_ids)
+            in_hash[i] = _sha256_ids(c_ids + [-1] + q_ids)
+            in_tokens[i] = len(c_ids) + len(q_ids)
+            check_context_window(
+                model,
+                in_tokens[i] + gen.budget(s),
+                f"{name}/{s.task} (length {s.length}): {in_tokens[i]} input tokens + {gen.budget(s)} new tokens",
+            )
+    return _Prepared(ctx_hash, in_hash, in_tokens)
+
+
+def _build_press(cfg: EvalConfig, method: str, ratio: float) -> BasePress:
+    options = dict(cfg.press_options.get(method, {}) or {})
+    kind = options.pop("kind", method)
+    if kind == REFERENCE:
+        return build_press(REFERENCE, **options)
+    # A press may declare which option the grid's ratio sets (kvpress sets head/threshold ratios per press type);
+    # the default is the common compression_ratio.
+    option = getattr(PRESSES[kind], "ratio_option", "compression_ratio")
+    return build_press(kind, **{option: ratio}, **options)
+
+
+# ------------------------------------------------------------------------------------------------------ partial I/O
+def _append_line(path: Path, obj: dict) -> None:
+    """Append one JSON line and fsync it, so a crash loses at most the line being written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_partials(folder: Path) -> dict[int, list[dict]]:
+    """Finished groups from every rank's partial file; a torn last line (crash mid-append) is dropped."""
+    done: dict[int, list[dict]] = {}
+    for path in sorted(folder.glob("predictions.partial.rank*.jsonl")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        good = []
+        for i, line in enumerate(lines):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                if i != len(lines) - 1:
+                    raise ValueError(
+                        f"{path}:{i + 1}: corrupt line in the middle of a partial file; delete it"
+                    ) from None
+                break
+            good.append(line)
+            done[int(obj["group"])] = obj["rows"]
+        if len(good) != len(lines):  # rewrite without the torn line so later appends start clean
+            atomic_write_text(path, "".join(line + "\n" for line in good))
+    return done
+
+
+# ---------------------------------------------------------------------------------------------------------- runner
+def _accelerator(cfg: EvalConfig):
+    from accelerate import Accelerator
+
+    log_with = None
+    if cfg.tracker.name == "wandb":
+        os.environ.setdefault("WANDB_MODE", cfg.tracker.mode)
+        os.environ.setdefault("WANDB_DIR", str(Path(cfg.output_dir).resolve()))  # offline runs land beside results
+        Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+        log_with = "wandb"
+    return Accelerator(cpu=not torch.cuda.is_available(), log_with=log_with)
+
+
+def run_eval(cfg: EvalConfig) -> EvalResults:
+    """Run the grid of ``cfg`` and write results folders, the markdown report and plots.
+
+    Args:
+        cfg: the resolved evaluation config.
+
+    Returns:
+        The cells' metrics and the markdown table (printed by ``eval.py``).
+
+    Raises:
+        ValueError: unknown methods/benchmarks/tasks (from the config or loaders), an empty dataset
+            (:class:`~core_kv.eval.benchmarks.EmptyDatasetError`), or a model context window shorter than a
+            requested input (:class:`~core_kv.models.loading.ContextWindowError`).
+    """
+    from core_kv.eval import report
+
+    for m in cfg.methods:  # fail on bad press options before loading anything
+        press = _build_press(cfg, m, cfg.ratios[0] if cfg.ratios else 0.5)
+        if press.needs_attentions and cfg.model.attn_implementation != "eager":
+            raise ValueError(f"method {m!r} scores from attention weights: set model.attn_implementation=eager")
+    threads = torch.get_num_threads()
+    if cfg.cpu_threads is not None:
+        torch.set_num_threads(cfg.cpu_threads)
+    acc = _accelerator(cfg)
+    main = acc.is_main_process
+    out_root = Path(cfg.output_dir)
+    name = cfg.model.name or default_model()
+    label = model_label(name)
+    try:
+        if cfg.tracker.name != "none":
+            run_name = {"wandb": {"name": cfg.tracker.run_name}} if cfg.tracker.run_name else {}
+            acc.init_trackers(cfg.tracker.project, config=to_dict(cfg), init_kwargs=run_name)
+        model, tokenizer = load_model(
+            name,
+            dtype=cfg.model.dtype,
+            device_map=cfg.model.device_map,
+            attn_implementation=cfg.model.attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code,
+            revision=cfg.model.revision,
+        )
+        if cfg.model.device_map is None:
+            model.to(acc.device)
+        if main:
+            print(
+                f"[core_kv eval] model: {label} | methods: {cfg.methods} | ratios: {cfg.ratios} | "
+                f"benchmarks: {cfg.benchmarks} | processes: {acc.num_processes}",
+                flush=True,
+            )
+
+        cells: list[dict] = []
+        files: list[Path] = []
+        for entry in cfg.benchmarks:
+            bcfg = cfg.datasets[entry]
+            bench = get_benchmark(bcfg.kind or entry)
+            if bcfg.lengths:
+                check_context_window(model, max(bcfg.lengths), f"{entry} length {max(bcfg.lengths)}")
+            samples = bench.load(bcfg, tokenizer, cfg.seed)
+            if not samples:
+                raise EmptyDatasetError(
+                    f"benchmark {entry!r} produced no samples (tasks={bcfg.tasks}, lengths={bcfg.lengths}, "
+                    f"num_samples={bcfg.num_samples}, source={bcfg.source})"
+                )
+            groups = group_by_context(samples)
+            prep = _prepare(samples, groups, tokenizer, model, cfg.generation, entry)
+            loaded = _Loaded(entry, bcfg, bench, samples, groups, prep)
+            grid = ([(REFERENCE, 0.0)] if cfg.reference else []) + [
+                (m, r) for m in cfg.methods if m != REFERENCE for r in cfg.ratios
+            ]
+            if REFERENCE in cfg.methods and not cfg.reference:
+                grid.insert(0, (REFERENCE, 0.0))
+            bench_cells = []
+            for method, ratio in grid:
+                bench_cells.append(_run_cell(cfg, acc, loaded, method, ratio, model, tokenizer, name, label))
+            if main and cfg.plots:
+                files += report.benchmark_plots(bench, entry, bench_cells, out_root / "plots")
+            cells += bench_cells
+
+        markdown, results = "", EvalResults([], "", out_root)
+        if main:
+            markdown = report.markdown_report(cells, label, cfg)
+            files.insert(0, atomic_write_text(out_root / "report.md", markdown))
+            files.append(atomic_write_json(out_root / "results.json", {"model": label, "cells": cells}))
+            if cfg.tracker.name != "none":
+                report.log_to_tracker(acc, cells, markdown, [f for f in files if f.suffix == ".png"])
+            results = EvalResults(cells, markdown, out_root, files)
+        acc.wait_for_everyone()
+        return results
+    finally:
+        torch.set_num_threads(threads)
+        for tracker in acc.trackers:
+            tracker.finish()
+        if acc.num_processes > 1:
+            acc.end_training()  # destroy the gloo/nccl process group before interpreter shutdown (env.md §5)
+
+
+def _cell_spec(cfg: EvalConfig, b: _Loaded, name: str, press: BasePress, method: str, ratio: float) -> dict:
+    return {
+        "benchmark": b.entry,
+        "kind": b.cfg.kind or b.entry,
+        "dataset": to_dict(b.cfg),
+        "model": name,
+        "model_config": to_dict(cfg.model),
+        "method": method,
+        "ratio": ratio,
+        "press": press.config_dict(),
+        "generation": to_dict(cfg.generation),
+        "seed": cfg.seed,
+        "num_samples": len(b.samples),
+        "inputs_sha256": hashlib.sha256("".join(b.prep.input_hash).encode()).hexdigest(),
+    }
+
+
+def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model, tokenizer, name, label) -> dict:
+    """Evaluate (or skip, or resume) one (benchmark, method, ratio) cell; the main process returns its metrics."""
+    main = acc.is_main_process
+    bench, samples, groups, prep = b.bench, b.samples, b.groups, b.prep
+    folder = cell_dir(cfg.output_dir, b.entry, name, method, ratio)
+    press = _build_press(cfg, method, ratio)
+    spec = _cell_spec(cfg, b, name, press, method, ratio)
+    spec_yaml = OmegaConf.to_yaml(OmegaConf.create(_jsonable(spec)))
+    tag = f"{b.entry} | {method} @ {ratio:.2f}"
+
+    status = [None]
+    if main:
+        try:
+            status[0] = _check_folder(folder, spec_yaml)
+        except ValueError as e:  # tell the other processes before raising, or they wait at the broadcast forever
+            status[0] = f"error: {e}"
+    broadcast_object_list(status)
+    if status[0].startswith("error: "):
+        raise ValueError(status[0].removeprefix("error: "))
+    if status[0] == "finished":
+        if main:
+            print(f"[core_kv eval] {tag}: finished earlier, skipped ({folder})", flush=True)
+            for p in folder.glob("predictions.partial.rank*.jsonl"):
+                p.unlink()
+            return json.loads((folder / "metrics.json").read_text(encoding="utf-8"))
+        return {}
+
+    done_ids = [None]
+    done: dict[int, list[dict]] = {}
+    if main:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / "config.yaml", spec_yaml)
+        done = _read_partials(folder)
+        done_ids[0] = sorted(done)
+    broadcast_object_list(done_ids)
+    todo = [g for g in range(len(groups)) if g not in set(done_ids[0])]
+    if main and done_ids[0]:
+        print(f"[core_kv eval] {tag}: resuming, {len(done_ids[0])}/{len(groups)} contexts already done", flush=True)
+
+    start = time.time()
+    mine: list[dict] = []
+    with acc.split_between_processes(todo) as my_groups:
+        bar = tqdm(my_groups, desc=tag, disable=not (cfg.progress and main), unit="ctx", leave=False)
+        partial = folder / f"predictions.partial.rank{acc.process_index}.jsonl"
+        for g in bar:
+            group = [samples[i] for i in groups[g]]
+            job = GroupJob(model, tokenizer, press, group, cfg.generation)
+            results = bench.evaluate_group(job)
+            rows = [
+                _row(samples[i], i, g, method, ratio, res, prep, cfg.generation)
+                for i, res in zip(groups[g], results, strict=True)
+            ]
+            _append_line(partial, {"group": g, "rows": rows})
+            mine.append({"group": g, "rows": rows})
+    gathered = gather_object(mine) if acc.num_processes > 1 else mine
+    acc.wait_for_everyone()
+    if not main:
+        return {}
+
+    for item in gathered:
+        done[int(item["group"])] = item["rows"]
+    missing = [g for g in range(len(groups)) if g not in done]
+    if missing:
+        raise RuntimeError(f"{tag}: contexts {missing[:5]} were not evaluated by any process")
+    rows = sorted((r for g in done.values() for r in g), key=lambda r: r["sample_id"])
+    metrics = _cell_metrics(bench, rows, samples, spec, label, len(groups))
+    atomic_write_jsonl(folder / "predictions.jsonl", rows)
+    atomic_write_json(folder / "metrics.json", metrics)  # last: marks the cell finished
+    metrics = json.loads((folder / "metrics.json").read_text(encoding="utf-8"))  # as a skipped rerun returns it
+    for p in folder.glob("predictions.partial.rank*.jsonl"):
+        p.unlink()
+    print(
+        f"[core_kv eval] {tag}: {metrics['average_label']} = {metrics['average']} "
+        f"({len(todo)} contexts in {time.time() - start:.1f}s) -> {folder}",
+        flush=True,
+    )
+    return metrics
+
+
+def _check_folder(folder: Path, spec_yaml: str) -> str:
+    """``finished``, ``resume`` or ``new``; a folder written by a different config raises."""
+    cfg_path = folder / "config.yaml"
+    if cfg_path.exists():
+        if cfg_path.read_text(encoding="utf-8") != spec_yaml:
+            raise ValueError(
+                f"{folder} holds results of a different configuration (compare its config.yaml); use another "
+                "output_dir or delete the folder"
+            )
+        return "finished" if (folder / "metrics.json").exists() else "resume"
+    return "new"
+
+
+def _row(s: Sample, i: int, g: int, method, ratio, res: dict, prep: _Prepared, gen: GenerationConfig) -> dict:
+    return {
+        "sample_id": i,
+        "group_id": g,
+        "benchmark": s.benchmark,
+        "task": s.task,
+        "length": s.length,
+        "method": method,
+        "ratio": ratio,
+        "question": s.question,
+        "answers": s.answers,
+        "metric": s.metric,
+        "max_new_tokens": gen.budget(s),
+        "input_tokens": prep.input_tokens[i],
+        "context_hash": prep.context_hash[i],
+        "input_hash": prep.input_hash[i],
+        **res,
+        "extra": s.extra,
+    }
+
+
+def _cell_metrics(bench: Benchmark, rows, samples, spec: dict, label: str, n_groups: int) -> dict:
+    agg = bench.aggregate(rows, [samples[r["sample_id"]] for r in rows])
+    first = {}
+    for r in rows:
+        first.setdefault(r["group_id"], r)
+    per_ctx = list(first.values())
+
+    def mean(key):
+        vals = [r[key] for r in per_ctx if r.get(key) is not None]
+        return round(sum(vals) / len(vals), 2) if vals else None
+
+    return {
+        "benchmark": spec["benchmark"],
+        "kind": spec["kind"],
+        "model": spec["model"],
+        "model_label": label,
+        "method": spec["method"],
+        "ratio": spec["ratio"],
+        "higher_is_better": bench.higher_is_better,
+        "unit": bench.unit,
+        "num_samples": len(rows),
+        "num_contexts": n_groups,
+        "kv_bytes": mean("kv_bytes"),
+        "aux_bytes": mean("aux_bytes"),
+        "context_tokens": mean("context_tokens"),
+        **agg,
+    }
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)

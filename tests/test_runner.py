@@ -1,0 +1,211 @@
+"""The evaluation runner end to end on the tiny random model: results folders, skip/resume, identical inputs across
+methods, reports, clear errors, and a 2-process ``accelerate launch`` split that matches the 1-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core_kv.config import load_config
+from core_kv.eval import benchmarks as bm
+from core_kv.eval.benchmarks import EmptyDatasetError, write_samples
+from core_kv.eval.runner import EvalConfig, cell_dir, run_eval
+from core_kv.eval.schema import Sample
+from core_kv.io import read_jsonl
+from core_kv.models.loading import ContextWindowError
+
+ROOT = Path(__file__).resolve().parents[1]
+CELLS = [("full", 0.0), ("knorm", 0.25), ("knorm", 0.5), ("snapkv", 0.25), ("snapkv", 0.5)]
+
+
+def _samples() -> list[Sample]:
+    """3 contexts, 4 questions (one context shared by 2 questions), 2 tasks; ~150-250 tokens each."""
+    filler = " ".join(f"Line {i}: the grass is green and the sky is blue." for i in range(18))
+    out = []
+    for k, (code, city) in enumerate([("4242", "Paris"), ("7781", "Oslo"), ("1357", "Lima")]):
+        context = f"Record {k}. {filler} The secret code is {code}. The capital is {city}. {filler[: 200 * k]}"
+        out.append(
+            Sample("toy", "code", context, "What is the secret code?", "Answer:", [code], 8, "string_match_all", 256)
+        )
+        if k == 0:
+            out.append(
+                Sample("toy", "city", context, "What is the capital?", "Answer:", [city], 8, "string_match_part", 256)
+            )
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_samples(tmp_path_factory.mktemp("data") / "toy.jsonl", _samples())
+
+
+def _argv(data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "model.name=tiny",
+        "methods=[knorm,snapkv]",
+        "ratios=[0.25,0.5]",
+        "benchmarks=[toy]",
+        "datasets.toy.kind=jsonl",
+        f"datasets.toy.source={data}",
+        f"output_dir={out}",
+        "progress=false",
+        "cpu_threads=1",
+        *extra,
+    ]
+
+
+def _cfg(data: Path, out: Path, *extra: str) -> EvalConfig:
+    return load_config(EvalConfig, _argv(data, out, *extra))
+
+
+def _folder_contents(out: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.parent != out / "plots" and p.name not in ("report.md", "results.json")
+    }
+
+
+@pytest.fixture(scope="module")
+def clean_run(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean")
+    return out, run_eval(_cfg(data, out))
+
+
+def test_smoke_two_presses_two_ratios(clean_run):
+    out, res = clean_run
+    assert [(c["method"], c["ratio"]) for c in res.cells] == CELLS
+    for method, ratio in CELLS:
+        folder = cell_dir(out, "toy", "tiny", method, ratio)
+        assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "metrics.json", "predictions.jsonl"]
+        rows = read_jsonl(folder / "predictions.jsonl")
+        assert [r["sample_id"] for r in rows] == [0, 1, 2, 3]
+        assert [r["group_id"] for r in rows] == [0, 0, 1, 2]  # the shared context is one group
+        metrics = json.loads((folder / "metrics.json").read_text())
+        assert metrics["num_samples"] == 4 and metrics["num_contexts"] == 3
+        assert set(metrics["tasks"]) == {"code", "city"}
+        assert metrics["model_label"] == "tiny random model (not the proxy)"
+        assert "press:" in (folder / "config.yaml").read_text()
+    # the reference exists once (ratio 0), not per ratio
+    assert len(list(out.glob("toy__tiny-random__full__*"))) == 1
+    # identical token ids for every method, and real savings in the stored payload
+    by_cell = {c: read_jsonl(cell_dir(out, "toy", "tiny", *c) / "predictions.jsonl") for c in CELLS}
+    hashes = {c: [r["input_hash"] for r in rows] for c, rows in by_cell.items()}
+    assert len({tuple(h) for h in hashes.values()}) == 1 and len(set(hashes[CELLS[0]])) == 4
+    full_kv = by_cell[("full", 0.0)][0]["kv_bytes"]
+    assert by_cell[("knorm", 0.5)][0]["kv_bytes"] < by_cell[("knorm", 0.25)][0]["kv_bytes"] < full_kv
+    # reports
+    assert (out / "report.md").read_text() == res.markdown
+    for needle in ("tiny random model (not the proxy)", "| full (reference) |", "| snapkv |", "KV payload", "aux"):
+        assert needle in res.markdown
+    png = out / "plots" / "curves__toy.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rerun_skips_finished_cells(clean_run, data, monkeypatch):
+    out, res = clean_run
+    before = _folder_contents(out)
+
+    def boom(self, job):
+        raise AssertionError("a finished cell was recomputed")
+
+    monkeypatch.setattr(bm.Benchmark, "evaluate_group", boom)
+    again = run_eval(_cfg(data, out))
+    assert again.cells == res.cells and again.markdown == res.markdown
+    assert _folder_contents(out) == before
+
+
+def test_interrupted_run_resumes_to_identical_results(clean_run, data, tmp_path, monkeypatch):
+    clean_out, _ = clean_run
+    out = tmp_path / "crashy"
+    calls = {"n": 0}
+    original = bm.Benchmark.evaluate_group
+
+    def crash_on_fifth(self, job):  # cell 1 (3 groups) done, then 1 group of cell 2, then "killed"
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return original(self, job)
+
+    monkeypatch.setattr(bm.Benchmark, "evaluate_group", crash_on_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(_cfg(data, out))
+    crashed = cell_dir(out, "toy", "tiny", "knorm", 0.25)
+    assert not (crashed / "metrics.json").exists() and not (crashed / "predictions.jsonl").exists()
+    partial = crashed / "predictions.partial.rank0.jsonl"
+    assert len(partial.read_text().splitlines()) == 1
+    with open(partial, "a") as f:  # a torn line, as if killed mid-append
+        f.write('{"group": 1, "rows": [{"sampl')
+
+    monkeypatch.setattr(bm.Benchmark, "evaluate_group", original)
+    calls["n"] = 0
+    counting = bm.Benchmark.evaluate_group
+
+    def count(self, job):
+        calls["n"] += 1
+        return counting(self, job)
+
+    monkeypatch.setattr(bm.Benchmark, "evaluate_group", count)
+    run_eval(_cfg(data, out))
+    assert calls["n"] == 3 * len(CELLS) - 3 - 1  # neither the finished cell nor the finished group reran
+    assert _folder_contents(out) == _folder_contents(clean_out)
+
+
+def test_changed_config_in_same_folder_raises(clean_run, data):
+    out, _ = clean_run
+    with pytest.raises(ValueError, match="different configuration"):
+        run_eval(_cfg(data, out, "generation.max_new_tokens=4"))
+
+
+def test_clear_errors(data, tmp_path):
+    with pytest.raises(ValueError, match="unknown method 'nope'.*registered presses"):
+        _cfg(data, tmp_path, "methods=[nope]")
+    with pytest.raises(ValueError, match="unknown benchmark 'nobench'"):
+        _cfg(data, tmp_path, "datasets.toy.kind=nobench")
+    with pytest.raises(ValueError, match=r"unknown task\(s\) \['nope'\]"):
+        run_eval(_cfg(data, tmp_path, "datasets.toy.tasks=[nope]"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(EmptyDatasetError, match="no samples"):
+        run_eval(_cfg(empty, tmp_path, f"datasets.toy.source={empty}"))
+    with pytest.raises(ContextWindowError, match="context window is 8192"):
+        run_eval(_cfg(data, tmp_path, "datasets.toy.lengths=[100000]"))
+    with pytest.raises(ValueError, match="ratios must be in"):
+        _cfg(data, tmp_path, "ratios=[1.0]")
+
+
+def test_wandb_offline_tracker(data, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_eval(_cfg(data, tmp_path / "out", "tracker.name=wandb", "methods=[knorm]", "ratios=[0.5]"))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_two_cpu_processes_match_one(clean_run, data, tmp_path):
+    """``accelerate launch`` with 2 gloo processes on CPU (env.md §5) splits contexts and merges on the main process."""
+    clean_out, _ = clean_run
+    out = tmp_path / "two"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--num_cpu_threads_per_process", "1", "eval.py", *_argv(data, out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "processes: 2" in proc.stdout
+    two, one = _folder_contents(out), _folder_contents(clean_out)
+    assert two.keys() == one.keys()
+    for name in two:
+        if name.endswith("predictions.jsonl"):
+            a, b = read_jsonl(out / name), read_jsonl(clean_out / name)
+            assert [r["input_hash"] for r in a] == [r["input_hash"] for r in b]
+            assert [r["prediction"] for r in a] == [r["prediction"] for r in b], name
