@@ -79,7 +79,8 @@ class TrainConfig:
         micro_batch: Documents per process per micro-step (records: ``indexer.records_per_micro``).
         grad_accum: Micro-steps per optimizer step (``accelerator.accumulate``).
         save_every: Optimizer steps between resumable checkpoints; ``keep_last`` are kept.
-        stop_after: Stop this invocation after that many optimizer steps (0 = run to the end), as an interruption.
+        stop_after: Stop this invocation after that many optimizer steps in all (0 = run to the end), as an
+            interruption would (a resumable checkpoint is saved first).
         wandb: Log through ``accelerator.init_trackers``/``log`` (``wandb_mode`` offline works without login).
     """
 

@@ -27,7 +27,7 @@ def kl_to_teacher(p_star: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """``KL(p* ‖ softmax(s)) = Σ_i p*_i (log p*_i − log_softmax(s)_i)`` per row: (.., N) -> (..)."""
     p = p_star.float()
     logq = F.log_softmax(scores.float(), -1)
-    return (torch.xlogy(p, p) - p * logq).sum(-1)
+    return (torch.xlogy(p, p) - torch.where(p > 0, p * logq, torch.zeros_like(logq))).sum(-1)
 
 
 def topb_boundary_bce(p_star: torch.Tensor, scores: torch.Tensor, protected: torch.Tensor, b_free: int) -> torch.Tensor:

@@ -105,6 +105,7 @@ class Trainer:
         self.acc = _accelerator(cfg)
         self.main = self.acc.is_main_process
         self.global_step = 0
+        self.run_steps = 0  # optimizer steps taken by this invocation (for stop_after)
         self.timers: dict[str, Timer] = {}
 
     # ---------------------------------------------------------------------------------------------------------
@@ -239,7 +240,8 @@ class Trainer:
             bar.set_postfix({k.split("/")[1]: f"{v:.4g}" for k, v in record.items() if "lr" not in k})
             if step % cfg.save_every == 0 or step == total:
                 self._save_state(state_root, step)
-            if cfg.stop_after and step - start >= cfg.stop_after and step < total:
+            self.run_steps += 1
+            if cfg.stop_after and self.run_steps >= cfg.stop_after and step < total:
                 stopped = True
                 break
         bar.close()

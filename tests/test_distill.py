@@ -1,0 +1,161 @@
+"""Losses, calibration and the replay against naive references (torchtune-style; CORE.md stages 2–4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from core_kv.distill.losses import (
+    calibration_error,
+    excluded_mass,
+    fit_temperature,
+    kl_to_teacher,
+    memory_loss,
+    topb_boundary_bce,
+    topb_overlap,
+)
+from core_kv.distill.replay import ReplaySpec, capture, replay_layer, segment_attention
+from core_kv.teacher.geometry import fit_geometry, model_fingerprint
+from core_kv.teacher.metrics import protected_mask
+
+
+def test_kl_matches_naive():
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(3, 9, generator=g)
+    p[0, 2] = 0.0  # 0 log 0 = 0
+    p = p / p.sum(-1, keepdim=True)
+    s = torch.randn(3, 9, generator=g)
+    ref = []
+    for r in range(3):
+        q = [math.exp(x) / sum(math.exp(y) for y in s[r].tolist()) for x in s[r].tolist()]
+        ref.append(sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p[r].tolist(), q, strict=True) if pi > 0))
+    torch.testing.assert_close(kl_to_teacher(p, s), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    assert kl_to_teacher(p, p.log()).abs().max() < 1e-6
+
+
+def test_topb_boundary_bce_matches_naive():
+    g = torch.Generator().manual_seed(1)
+    p, s = torch.rand(2, 12, generator=g), torch.randn(2, 12, generator=g)
+    prot = protected_mask(12, 2, 3)
+    b_free = 3
+    out = topb_boundary_bce(p, s, prot, b_free)
+    for r in range(2):
+        free = [i for i in range(12) if not prot[i]]
+        top_p = sorted(free, key=lambda i: -float(p[r, i]))[:b_free]
+        fs = sorted((float(s[r, i]) for i in free), reverse=True)
+        tau = (fs[b_free - 1] + fs[b_free]) / 2
+        terms = []
+        for i in free:
+            x, y = float(s[r, i]) - tau, 1.0 if i in top_p else 0.0
+            sig = 1 / (1 + math.exp(-x))
+            terms.append(-(y * math.log(sig) + (1 - y) * math.log(1 - sig)))
+        assert abs(float(out[r]) - sum(terms) / len(free)) < 1e-5
+
+
+def test_overlap_and_masses():
+    s = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = torch.tensor([[0.0, 0.1, 0.4, 0.3, 0.2, 0.0]])
+    prot = torch.tensor([True, False, False, False, False, True])
+    assert float(topb_overlap(s, p, prot, 2)) == 0.5  # student {1, 2}, teacher {2, 3}
+    ev = torch.tensor([[False, False, True, True, False, False]])
+    ref = sum(math.exp(x / 2) for x in (3.0, 2.0)) / sum(math.exp(x / 2) for x in s[0].tolist())
+    assert abs(float(excluded_mass(s, ev, 2.0)) - ref) < 1e-6
+    assert calibration_error(torch.tensor([0.1, 0.5]), torch.tensor([0.2, 0.2])) == pytest.approx(0.2)
+
+
+def test_fit_temperature_recovers_the_true_one():
+    g = torch.Generator().manual_seed(2)
+    scores, evicted, alpha = [], [], []
+    for _ in range(30):
+        s = torch.randn(2, 20, generator=g) * 2
+        ev = s < s.median(-1, keepdim=True).values
+        scores.append(s)
+        evicted.append(ev)
+        alpha.append(excluded_mass(s, ev, 2.5))
+    t, stats = fit_temperature(scores, evicted, alpha)
+    assert abs(t - 2.5) < 1e-3
+    assert stats["after"] < 1e-4 < stats["before"] and stats["n"] == 60
+
+
+def test_memory_loss_matches_naive():
+    g = torch.Generator().manual_seed(3)
+    o_hat, o = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    gate, alpha = torch.rand(2, 3, generator=g), torch.rand(2, 3, generator=g)
+    loss, rel = memory_loss(o_hat, o, gate, alpha, gate_weight=0.3)
+    rels, bces = [], []
+    for h in range(2):
+        for t in range(3):
+            rels.append(float(((o_hat[h, t] - o[h, t]) ** 2).sum() / ((o[h, t] ** 2).sum() + 1e-6)))
+            a, x = float(alpha[h, t]), float(gate[h, t])
+            bces.append(-(a * math.log(x) + (1 - a) * math.log(1 - x)))
+    assert abs(float(rel) - sum(rels) / 6) < 1e-5
+    assert abs(float(loss) - (sum(rels) / 6 + 0.3 * sum(bces) / 6)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def replayed(llama):
+    ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(4))
+    acts = capture(llama, ids)
+    geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(llama), d_z=16, num_prototypes=64)
+    return acts, geo
+
+
+def test_capture_matches_model_attention(llama, replayed):
+    """Full-cache attention recomputed from the captured activations equals the model's own pre-W_O output."""
+    acts, _ = replayed
+    a = acts[0]
+    captured = {}
+    h = llama.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
+        lambda m, args: captured.setdefault("x", args[0])
+    )
+    ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        llama.model(input_ids=ids)
+    h.remove()
+    from core_kv.distill.replay import Event
+
+    ev = Event(0, 300, torch.zeros(2, 0, dtype=torch.long), None, None, None, None,
+               torch.zeros(2, 0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool), 0, 0)  # fmt: skip
+    seg = segment_attention(a, ev)
+    ref = captured["x"][0].view(300, 4, 16).transpose(0, 1)
+    torch.testing.assert_close(seg["o_full"], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["student", "teacher"])
+def test_replay_budget_protection_and_error_identity(replayed, policy):
+    acts, geo = replayed
+    spec = ReplaySpec(chunk_size=64, ratio=0.75, protected_sinks=4, protected_recent=16, policy=policy)
+    score = lambda layer, f: f[..., 0] + 0.1 * f[..., 5]  # noqa: E731  (any deterministic scorer)
+    times = list(range(64, 300, 64))
+    events = replay_layer(acts[1], 1, times, None, geo, spec, score)
+    assert [e.t_e for e in events] == times
+    for e, nxt in zip(events, events[1:], strict=False):
+        kept = e.cand[e.kept].view(2, -1)
+        assert kept.shape[1] == e.budget <= max(math.floor(e.t_e * 0.25), e.cand.shape[1])
+        assert (kept[:, :4] == torch.arange(4)).all()  # sinks always kept
+        assert e.kept[:, e.protected].all()
+        assert torch.equal(nxt.cand[:, : kept.shape[1]], kept)  # next candidates = retained + new tokens
+        assert torch.allclose(e.p_star.sum(-1), torch.ones(2, dtype=torch.float64))
+    ev = events[2]
+    seg = segment_attention(acts[1], ev)
+    a = acts[1]
+    kept = torch.zeros(2, ev.end, dtype=torch.bool)
+    kept[torch.arange(2)[:, None], ev.cand[ev.kept].view(2, -1)] = True
+    kept[:, ev.t_e :] = True
+    for hq in (0, 3):
+        for j in (0, 7):  # query position t_e + j; it sees keys <= t_e + j
+            tau = ev.t_e + j
+            logit = (a.q_post[hq, tau] @ a.k_post[hq // 2, : tau + 1].T) * a.scaling
+            v = a.v[hq // 2, : tau + 1]
+            r, e = kept[hq // 2, : tau + 1], ~kept[hq // 2, : tau + 1]
+            o_r = logit.masked_fill(~r, -math.inf).softmax(-1) @ v
+            o_e = logit.masked_fill(~e, -math.inf).softmax(-1) @ v
+            o_full = logit.softmax(-1) @ v
+            alpha = logit.softmax(-1)[e].sum()
+            torch.testing.assert_close(seg["o_ret"][hq, j], o_r, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(seg["o_full"][hq, j], o_full, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(seg["alpha"][hq, j], alpha, rtol=1e-4, atol=1e-5)
+            # the paper's exact identity: o* - o_R = α_E (o_E - o_R)
+            torch.testing.assert_close(o_full - o_r, alpha * (o_e - o_r), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,171 @@
+"""CPU smoke tests of the real entry point (``train.py`` → ``train(cfg)``) on a tiny config-built Llama (GQA 4/2).
+
+One teacher dataset is built per session; every run replays 2–3 steps per stage. Covers: the checkpoint folder
+listing, resume after an interruption == uninterrupted, ``from_pretrained`` of ``final/``, gradient-accumulation
+invariance (micro-batch × accumulation), 2 gloo processes == 1 process, and every shipped YAML loading.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_args(out: Path, teacher: Path, *extra: str) -> list[str]:
+    return [
+        f"out_dir={out}",
+        f"teacher.out_dir={teacher}",
+        "teacher.chunk_size=64",
+        "teacher.progress=false",
+        "teacher.model.random_init=true",
+        "teacher.model.path=''",
+        "teacher.model.hidden_size=64",
+        "teacher.model.num_layers=2",
+        "teacher.model.num_heads=4",
+        "teacher.model.num_kv_heads=2",
+        "teacher.model.intermediate_size=128",
+        "teacher.data.source=random",
+        "teacher.data.num_docs=3",
+        "teacher.data.calib_docs=2",
+        "teacher.data.min_len=160",
+        "teacher.data.max_len=200",
+        "train_docs=4",
+        "calib_docs=2",
+        "eval_docs=1",
+        "eval_ratios=[0.75]",
+        "indexer.warmup_steps=2",
+        "indexer.records_per_micro=4",
+        "indexer.steps=3",
+        "memory.steps=2",
+        "save_every=1",
+        "progress=false",
+        *extra,
+    ]
+
+
+def run(args: list[str]) -> dict:
+    import train
+
+    return train.main(args)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def assert_same(a: dict, b: dict, atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if atol:
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("teacher")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, teacher_dir) -> Path:
+    out = tmp_path_factory.mktemp("ref")
+    run(tiny_args(out, teacher_dir))
+    return out
+
+
+def test_folder_listing_and_artifact(reference):
+    from core_kv.indexer import CoreModel
+    from core_kv.teacher.run import ModelSpec, load_model
+
+    assert sorted(p.name for p in (reference / "final").iterdir()) == ["config.json", "model.safetensors"]
+    assert {"state", "stages", "final", "summary.json", "config.yaml"} <= {p.name for p in reference.iterdir()}
+    assert sorted(p.name for p in (reference / "stages").iterdir()) == [
+        "calibration.json", "indexer.safetensors", "indexer_warmup.safetensors", "memory.safetensors",
+    ]  # fmt: skip
+    for stage in ("indexer_warmup", "indexer", "memory"):
+        steps = sorted(p.name for p in (reference / "state" / stage).iterdir())
+        assert steps[-1].startswith("step_") and len(steps) <= 2  # keep_last = 2, no temporary folders left
+    base, _ = load_model(
+        ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128), "cpu"
+    )
+    core = CoreModel.from_pretrained(reference / "final", base_model=base)
+    assert core.indexer.temperature.shape == (2,) and (core.indexer.temperature > 0).all()
+    assert core.memory.w_phi.shape == (2, 2, 512, 16)
+    assert core.geo_prototypes.abs().sum() > 0 and core.indexer.feature_std.min() > 0
+    assert core.config.fingerprint["kv_heads"] == 2
+
+
+def test_artifact_refuses_other_base_model(reference, llama):
+    from core_kv.indexer import CoreModel
+    from core_kv.teacher.geometry import FingerprintMismatch
+
+    other = __import__("conftest").tiny_model("llama", seed=3)
+    with pytest.raises(FingerprintMismatch, match="k_proj_digest"):
+        CoreModel.from_pretrained(reference / "final", base_model=other)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    three = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    with pytest.raises(FingerprintMismatch, match="layers"):
+        CoreModel.from_pretrained(reference / "final", base_model=three)
+
+
+def test_resume_after_interruption_matches(tmp_path, teacher_dir, reference):
+    from core_kv.distill.trainer import Interrupted
+
+    out = tmp_path / "resumed"
+    with pytest.raises(Interrupted):
+        run(tiny_args(out, teacher_dir, "stop_after=3"))  # warm-up done, on-policy stage at step 1 of 3
+    assert (out / "state" / "indexer" / "step_000001").is_dir()
+    assert not (out / "final").exists()
+    run(tiny_args(out, teacher_dir))
+    assert_same(weights(out), weights(reference))
+
+
+def test_gradient_accumulation_invariance(tmp_path, teacher_dir):
+    a, b = tmp_path / "micro2", tmp_path / "accum2"
+    run(tiny_args(a, teacher_dir, "micro_batch=2", "grad_accum=1", "indexer.records_per_micro=4"))
+    run(tiny_args(b, teacher_dir, "micro_batch=1", "grad_accum=2", "indexer.records_per_micro=2"))
+    assert_same(weights(a), weights(b), atol=2e-4)
+
+
+def _two_process_main(args):
+    from accelerate.state import AcceleratorState, GradientState
+
+    # the forked ranks inherit this pytest process's single-process Accelerate singletons: start them afresh
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    import train
+
+    train.main(args)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="fork-based debug_launcher")
+def test_two_processes_match_one(tmp_path, teacher_dir):
+    from accelerate import debug_launcher
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(tiny_args(one, teacher_dir, "micro_batch=2", "indexer.records_per_micro=4"))
+    debug_launcher(
+        lambda: _two_process_main(tiny_args(two, teacher_dir, "indexer.records_per_micro=2")), num_processes=2
+    )
+    summary = __import__("json").loads((two / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["docs_per_step"] == 2
+    assert_same(weights(one), weights(two), atol=2e-4)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "train").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_yaml_loads(path):
+    from core_kv.config import load_config
+    from core_kv.distill.config import TrainConfig
+
+    cfg = load_config(TrainConfig, [str(path)])
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.micro_batch * cfg.grad_accum >= 1
