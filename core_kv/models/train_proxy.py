@@ -97,6 +97,7 @@ class TrainConfig:
     total_steps: int = 3000
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2
     warmup_steps: int = 40
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -207,11 +208,16 @@ def compute_loss(model, ids, lm, ans, lm_fraction: float, gen: torch.Generator |
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine to ``min_lr_ratio`` of the peak at ``total_steps``."""
+    """Warmup-stable-decay: linear warmup, constant peak, then linear decay to ``min_lr_ratio`` of the peak over the
+    last ``decay_fraction`` of ``total_steps``. Unlike a cosine, ``total_steps`` can be raised on resume (while the
+    run is still in the stable part) without changing the steps already taken."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    p = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
+    decay_start = cfg.total_steps * (1 - cfg.decay_fraction)
+    if step < decay_start:
+        return cfg.lr
+    p = min(1.0, (step - decay_start) / max(1.0, cfg.total_steps - decay_start))
+    return cfg.lr * (1 - (1 - cfg.min_lr_ratio) * p)
 
 
 # ---- probes ----------------------------------------------------------------------------------------------------
@@ -423,7 +429,10 @@ def plot_loss(log_path: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_jsonl(log_path)
+    rows = list(
+        {r["step"]: r for r in read_jsonl(log_path)}.values()
+    )  # a resume re-logs the steps after its checkpoint
+    rows.sort(key=lambda r: r["step"])
     step = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot(step, [r["lm_loss"] for r in rows], label="LM loss (nats/token)")

