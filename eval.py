@@ -8,7 +8,8 @@ Usage::
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \\
         --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 1 eval.py configs/eval/smoke.yaml
 
-Arguments are YAML files (overriding :class:`core_kv.eval.runner.EvalConfig` defaults) and ``a.b=v`` overrides.
+Arguments are YAML files (overriding :class:`core_kv.eval.runner.EvalConfig` defaults) and ``a.b=v`` overrides;
+``--help`` prints the defaults.
 """
 
 import sys
@@ -18,7 +19,13 @@ from core_kv.eval.runner import EvalConfig, run_eval
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(EvalConfig, sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        from omegaconf import OmegaConf
+
+        print(__doc__ + "\nDefaults (EvalConfig):\n\n" + OmegaConf.to_yaml(OmegaConf.structured(EvalConfig)))
+        return
+    cfg = load_config(EvalConfig, argv)
     results = run_eval(cfg)
     if results.markdown:
         print(results.markdown)

@@ -254,7 +254,7 @@ class Niah(Benchmark, name="niah"):
         from core_kv.eval import niah
 
         path = Path(out_dir) / f"niah_heatmap__{name}.png"
-        niah.plot_niah_heatmap(rows, path, title=f"NIAH: {title}")
+        niah.plot_niah_heatmap(rows, path, title=f"NIAH: {title}", vmax=100.0)  # scores are 0-100
         return [path]
 
 

@@ -84,10 +84,11 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
         first = bc[0]
         direction = "higher is better" if first.get("higher_is_better", True) else "lower is better"
         lines += [f"## {bench} - {first.get('average_label', 'average')} ({direction})", ""]
-        lines.append("| method | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
-        lines.append("|---|" + "---|" * len(ratios))
+        columns = ratios or [0.0]  # a reference-only run has one column
+        lines.append("| method | " + " | ".join(f"{r:.2f}" for r in columns) + " |")
+        lines.append("|---|" + "---|" * len(columns))
         for m in _methods(bc):
-            vals = [_lookup(bc, m, r) for r in ratios] if ratios else [_lookup(bc, m, 0.0)]
+            vals = [_lookup(bc, m, r) for r in columns]
             name = f"{m} (reference)" if m == REFERENCE else m
             lines.append(f"| {name} | " + " | ".join(_fmt(v["average"]) if v else "-" for v in vals) + " |")
         lines.append("")
