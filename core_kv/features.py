@@ -1,0 +1,222 @@
+"""The 14 indexer features: one definition for the teacher writer, the trainer and the press (CORE.md stage 2).
+
+Every feature is computable at inference for every candidate ``i`` of an eviction event, from the candidates' keys
+and values, the last ``w = 32`` queries (the observation window, all G query heads of the KV head) and the frozen
+geometry (:mod:`core_kv.teacher.geometry`). "attn" is the softmax over the candidate set, causal by position.
+All choices below are [choice] (the paper gives only the count, 14); indexmem_core.md §3.3 is the source.
+
+| #  | name            | definition                                                                    |
+|----|-----------------|-------------------------------------------------------------------------------|
+| 0  | obs_mean_log    | log(ā_i + 1e-6), ā_i = mean of attn over the window × G                        |
+| 1  | obs_max_log     | log(max of attn over the window × G + 1e-6)                                   |
+| 2  | persistence_log | log(EMA_i + 1e-6), EMA_i ← ½ EMA_i + ½ ā_i across events (new tokens: ā_i)    |
+| 3  | key_norm        | ‖k̃_i‖ (pre-RoPE)                                                              |
+| 4  | value_norm      | ‖v_i‖                                                                         |
+| 5  | age_log         | log(1 + t − i), t the position of the last processed token                   |
+| 6  | rel_pos         | i / t                                                                         |
+| 7  | sink            | 1[i < 4]                                                                      |
+| 8  | local           | 1[t − i < 64]                                                                 |
+| 9  | proto_fit       | max_j ⟨z_i, c_j⟩                                                               |
+| 10 | proto_entropy   | entropy of ψ_i = softmax_j(⟨z_i, c_j⟩ / 0.1)                                    |
+| 11 | redundancy      | −log(⟨ψ_i, mean_j ψ_j⟩) (crowding of i's prototype cells)                       |
+| 12 | novelty         | ridge leverage ℓ_i(uniform p), same normalised βB as the teacher               |
+| 13 | query_cos       | cos(k̃_i, q̄), q̄ the mean pre-RoPE query of the window × G                       |
+
+Changing any definition must bump :data:`FEATURE_SPEC_VERSION`: teacher datasets and indexer checkpoints record it
+and refuse a mismatch.
+
+Shapes: Hkv KV heads, G query heads per KV head, w window queries, N candidates, D head dim, d_z projected dim,
+M prototypes, F = 14 features, L layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from core_kv.io import atomic_write
+from core_kv.teacher.coverage import leverage, normalised_beta_b
+
+FEATURE_SPEC_VERSION = 1
+FEATURE_NAMES = (
+    "obs_mean_log",
+    "obs_max_log",
+    "persistence_log",
+    "key_norm",
+    "value_norm",
+    "age_log",
+    "rel_pos",
+    "sink",
+    "local",
+    "proto_fit",
+    "proto_entropy",
+    "redundancy",
+    "novelty",
+    "query_cos",
+)
+NUM_FEATURES = len(FEATURE_NAMES)
+OBS_WINDOW = 32
+SINK_TOKENS = 4
+LOCAL_WINDOW = 64
+PERSISTENCE_DECAY = 0.5
+PSI_TEMPERATURE = 0.1
+EPS = 1e-6
+
+
+def spec() -> dict:
+    """The feature specification recorded beside every dataset and checkpoint that uses these features."""
+    return {
+        "version": FEATURE_SPEC_VERSION,
+        "names": list(FEATURE_NAMES),
+        "obs_window": OBS_WINDOW,
+        "sink_tokens": SINK_TOKENS,
+        "local_window": LOCAL_WINDOW,
+        "persistence_decay": PERSISTENCE_DECAY,
+        "psi_temperature": PSI_TEMPERATURE,
+    }
+
+
+def observation_attention(
+    queries: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Causal softmax attention of window queries over the candidates.
+
+    Args:
+        queries: Post-RoPE window queries (Hkv, G, w, D).
+        keys: Post-RoPE candidate keys (Hkv, N, D).
+        query_pos: Absolute positions of the queries (w,).
+        key_pos: Absolute positions of the candidates (N,).
+        scaling: The attention module's score scale (``1/√D`` for Llama).
+
+    Returns:
+        Probabilities (Hkv, G·w, N); candidate i is masked for a query earlier than it.
+    """
+    h, g, w, d = queries.shape
+    logits = (queries.reshape(h, g * w, d).float() @ keys.float().mT) * scaling  # (Hkv, G·w, N)
+    visible = key_pos[None, :] <= query_pos[:, None]  # (w, N)
+    logits = logits.masked_fill(~visible.repeat(g, 1)[None], float("-inf"))
+    return logits.softmax(-1)
+
+
+def update_persistence(previous: torch.Tensor | None, obs_mean: torch.Tensor) -> torch.Tensor:
+    """EMA of the window-mean attention across events; ``NaN`` in ``previous`` marks tokens new at this event."""
+    if previous is None:
+        return obs_mean.clone()
+    prev = previous.to(obs_mean)
+    return torch.where(prev.isnan(), obs_mean, PERSISTENCE_DECAY * prev + (1 - PERSISTENCE_DECAY) * obs_mean)
+
+
+def compute_features(
+    obs_attn: torch.Tensor,
+    obs_queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    last_pos: int,
+    z: torch.Tensor,
+    phi: torch.Tensor,
+    prototypes: torch.Tensor,
+    persistence: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 14 features of every candidate at one event, for one layer.
+
+    Args:
+        obs_attn: Window attention over the candidates (Hkv, G·w, N), from :func:`observation_attention`.
+        obs_queries: Pre-RoPE window queries (Hkv, G·w, D).
+        keys: Pre-RoPE candidate keys (Hkv, N, D).
+        values: Candidate values (Hkv, N, D).
+        positions: Absolute candidate positions (N,).
+        last_pos: Position ``t`` of the last processed token (the event time).
+        z: Projected keys (Hkv, N, d_z) (:meth:`Geometry.project`).
+        phi: Nyström coverage features (Hkv, N, M) (:meth:`Geometry.nystrom`).
+        prototypes: Coverage prototypes (Hkv, M, d_z).
+        persistence: The EMA state of these candidates from the previous event (Hkv, N), NaN for new tokens,
+            or ``None`` at the first event.
+
+    Returns:
+        ``(features (Hkv, N, 14) float32, persistence (Hkv, N))``; pass the latter to the next event.
+    """
+    hkv, n = keys.shape[0], keys.shape[1]
+    obs_attn = obs_attn.float()
+    obs_mean = obs_attn.mean(1)  # (Hkv, N)
+    obs_max = obs_attn.amax(1)
+    ema = update_persistence(persistence, obs_mean)
+    pos = positions.to(keys.device).float()[None].expand(hkv, n)
+    dist = float(last_pos) - pos
+    sim = z.float() @ prototypes.float().mT  # (Hkv, N, M)
+    psi = (sim / PSI_TEMPERATURE).softmax(-1)
+    entropy = -(psi * psi.clamp_min(1e-12).log()).sum(-1)
+    crowd = (psi * psi.mean(1, keepdim=True)).sum(-1)
+    phi64 = phi.double()
+    novelty = leverage(torch.full((hkv, n), 1.0 / n, dtype=torch.float64), phi64, normalised_beta_b(phi64))
+    q_bar = obs_queries.float().mean(1, keepdim=True)  # (Hkv, 1, D)
+    cols = [
+        (obs_mean + EPS).log(),
+        (obs_max + EPS).log(),
+        (ema + EPS).log(),
+        keys.float().norm(dim=-1),
+        values.float().norm(dim=-1),
+        torch.log1p(dist.clamp_min(0)),
+        pos / max(float(last_pos), 1.0),
+        (pos < SINK_TOKENS).float(),
+        (dist < LOCAL_WINDOW).float(),
+        sim.amax(-1),
+        entropy,
+        -(crowd + 1e-12).log(),
+        novelty.float(),
+        torch.nn.functional.cosine_similarity(keys.float(), q_bar, dim=-1),
+    ]
+    return torch.stack(cols, -1), ema
+
+
+@dataclass
+class FeatureStats:
+    """Standardisation statistics per (layer, KV head, feature), measured on teacher data."""
+
+    mean: torch.Tensor  # (L, Hkv, F)
+    std: torch.Tensor  # (L, Hkv, F)
+    version: int = FEATURE_SPEC_VERSION
+
+    @classmethod
+    def from_moments(cls, count: torch.Tensor, total: torch.Tensor, total_sq: torch.Tensor) -> FeatureStats:
+        """From sums over candidates: ``count`` (L, Hkv), ``total``/``total_sq`` (L, Hkv, F), float64."""
+        c = count.double().clamp_min(1)[..., None]
+        mean = total.double() / c
+        var = (total_sq.double() / c - mean.pow(2)).clamp_min(0)
+        std = var.sqrt()
+        std = torch.where(std < 1e-6, torch.ones_like(std), std)  # constant features (flags) pass through centred
+        return cls(mean.float(), std.float())
+
+    def standardize(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """``(x − μ) / σ`` for features (Hkv, N, F) of ``layer``."""
+        return (x - self.mean[layer, :, None].to(x)) / self.std[layer, :, None].to(x)
+
+    def save(self, path: str | Path) -> Path:
+        meta = {"feature_spec": json.dumps(spec(), sort_keys=True), "version": str(self.version)}
+        t = {"mean": self.mean.contiguous(), "std": self.std.contiguous()}
+        return atomic_write(path, lambda tmp: save_file(t, tmp, metadata=meta))
+
+    @classmethod
+    def load(cls, path: str | Path) -> FeatureStats:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            version = int((f.metadata() or {}).get("version", -1))
+        if version != FEATURE_SPEC_VERSION:
+            raise ValueError(
+                f"{path}: feature statistics for feature spec v{version}, this code computes v{FEATURE_SPEC_VERSION}"
+            )
+        t = load_file(str(path))
+        return cls(t["mean"], t["std"], version)
+
+
+def moments(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head ``(count (Hkv,), sum (Hkv, F), sum of squares (Hkv, F))`` of features (Hkv, N, F), float64."""
+    f = features.double()
+    assert math.isfinite(float(f.sum())), "non-finite feature"
+    return torch.full((f.shape[0],), f.shape[1], dtype=torch.float64), f.sum(1), f.pow(2).sum(1)

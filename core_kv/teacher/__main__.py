@@ -1,0 +1,17 @@
+"""``python -m core_kv.teacher --config configs/teacher/default.yaml [a.b=v ...]`` (also under accelerate launch)."""
+
+from __future__ import annotations
+
+import sys
+
+from core_kv.config import load_config
+from core_kv.teacher.run import TeacherConfig, run_teacher
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = load_config(TeacherConfig, sys.argv[1:] if argv is None else argv)
+    return run_teacher(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Future-query utility ``π_U`` from the frozen model's full-cache attention (CORE.md stage 1, step 1).
+
+At an eviction event at time ``t_e`` the candidates are the cached tokens ``i < t_e``; the future queries ``Q_f``
+are the next chunk and, when the document has them, its question/answer tokens. Each future query ``τ`` attends
+causally to **all** tokens ``j ≤ τ`` (not only the candidates); the utility of candidate i is the weighted mean over
+``Q_f`` and the G query heads of its attention probability, ``π_U = u / Σ_i u_i`` [choice, indexmem_core.md §3.2(a)].
+
+Shapes: Hkv KV heads, G query heads per KV head, T_q future queries, K keys visible to them, D head dim,
+N candidates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def future_utility(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_pos: torch.Tensor,
+    num_candidates: int,
+    scaling: float,
+    query_weights: torch.Tensor | None = None,
+    block: int = 256,
+) -> torch.Tensor:
+    """Mean full-cache attention mass the future queries put on each candidate.
+
+    Args:
+        queries: Post-RoPE future queries (Hkv, G, T_q, D).
+        keys: Post-RoPE keys of positions ``0..K-1`` (Hkv, K, D), K > every query position.
+        query_pos: Absolute positions of the queries (T_q,); each sees keys ``≤`` its position.
+        num_candidates: N: candidates are the keys at positions ``0..N-1`` (the cache at the event).
+        scaling: The attention score scale (``module.scaling``).
+        query_weights: Weights of the queries (T_q,), summing to 1; uniform by default.
+        block: Queries per block (bounds memory at Hkv·G·block·K floats).
+
+    Returns:
+        ``u`` (Hkv, N): weighted mean over queries and heads of the attention on each candidate (not normalised).
+    """
+    h, g, tq, d = queries.shape
+    if query_weights is None:
+        query_weights = torch.full((tq,), 1.0 / tq)
+    query_weights = query_weights.to(device=keys.device, dtype=torch.float32)
+    key_pos = torch.arange(keys.shape[1], device=keys.device)
+    kf = keys.float()
+    u = keys.new_zeros(h, num_candidates, dtype=torch.float32)
+    for s in range(0, tq, block):
+        q = queries[:, :, s : s + block].float()  # (Hkv, G, b, D)
+        logits = (q @ kf[:, None].mT) * scaling  # (Hkv, G, b, K)
+        mask = key_pos[None, :] > query_pos[s : s + block, None].to(keys.device)  # (b, K)
+        probs = logits.masked_fill(mask, float("-inf")).softmax(-1)[..., :num_candidates]
+        u += torch.einsum("hgbn,b->hn", probs, query_weights[s : s + block]) / g
+    return u
+
+
+def normalise(u: torch.Tensor) -> torch.Tensor:
+    """``π_U = u / Σu`` over the last dim."""
+    return u / u.sum(-1, keepdim=True).clamp_min(1e-30)

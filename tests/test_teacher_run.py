@@ -1,0 +1,148 @@
+"""The teacher entry point on a tiny config-built GQA Llama: dataset round trip, mismatch refusal, π_U against the
+model's own attention, and a 2-process run equal to the 1-process run (CORE.md stage 1)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+
+import pytest
+import torch
+
+from core_kv.config import load_config
+from core_kv.features import NUM_FEATURES
+from core_kv.teacher.__main__ import main
+from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch
+from core_kv.teacher.run import TeacherConfig, event_times, load_model, make_docs
+
+TINY = [
+    "model.random_init=true",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=64",
+    "data.source=random",
+    "data.num_docs=3",
+    "data.calib_docs=1",
+    "data.min_len=150",
+    "data.max_len=200",
+    "chunk_size=64",
+    "lam=1.0",
+    "progress=false",
+    "threads=1",
+]
+
+
+@pytest.fixture(scope="module")
+def one_proc(tmp_path_factory):
+    out = tmp_path_factory.mktemp("teacher1")
+    metrics = main([*TINY, f"out_dir={out}"])
+    return out, metrics
+
+
+def test_run_writes_a_complete_dataset(one_proc, capsys):
+    out, metrics = one_proc
+    assert {"manifest.json", "metrics.json", "geometry.safetensors", "feature_stats.safetensors", "config.yaml"} <= {
+        p.name for p in out.iterdir()
+    }
+    for key in ("table5", "table7", "throughput"):
+        assert key in metrics
+    assert json.loads((out / "metrics.json").read_text())["table5"] == metrics["table5"]
+    ds = TeacherDataset(out)
+    cfg = load_config(TeacherConfig, [*TINY, f"out_dir={out}"])
+    docs = make_docs(cfg.data, list(range(3)), None)
+    n_events = sum(len(event_times(len(d.ids), d.qa_start, 64)) for d in docs)
+    recs = ds.records()
+    assert len(recs) == len(ds) == n_events * 2  # 2 layers
+    for r in recs:
+        n = r.positions.numel()
+        assert r.features.shape == (2, n, NUM_FEATURES) and r.pi_u.shape == (2, n) == r.p_star.shape
+        torch.testing.assert_close(r.p_star.sum(-1), torch.ones(2), atol=1e-5, rtol=0)
+        assert r.budgets.tolist() == [n // 4, n // 10]
+    assert ds.feature_stats().mean.shape == (2, 2, NUM_FEATURES)
+    assert ds.geometry().prototypes.shape == (2, 2, 64, 8)  # d_z = min(64, head_dim 8)
+
+
+def test_utility_matches_model_attention(one_proc):
+    """π_U from the hooks equals the eager model's own attention weights, averaged as the design says."""
+    out, _ = one_proc
+    cfg = load_config(TeacherConfig, [*TINY, "model.attn_implementation=eager"])
+    model, _ = load_model(cfg.model, torch.device("cpu"))
+    doc = make_docs(cfg.data, [1], None)[0]  # odd index: has a question/answer tail
+    with torch.no_grad():
+        att = model(torch.tensor([doc.ids]), output_attentions=True).attentions  # per layer (1, H, T, T)
+    rec = next(r for r in TeacherDataset(out).records() if r.doc == 1 and r.event == 0 and r.layer == 1)
+    t_e = rec.positions.numel()
+    nxt = torch.arange(t_e, t_e + 64)
+    qa = torch.arange(doc.qa_start, len(doc.ids))
+    a = att[1][0].view(2, 2, *att[1].shape[-2:])  # (Hkv, G, T, T)
+    u = 0.5 * a[:, :, nxt, :t_e].mean((1, 2)) + 0.5 * a[:, :, qa, :t_e].mean((1, 2))
+    torch.testing.assert_close(rec.pi_u, u / u.sum(-1, keepdim=True), atol=1e-5, rtol=1e-4)
+
+
+def test_reader_refuses_mismatches(one_proc, tmp_path):
+    out, _ = one_proc
+    cfg = load_config(TeacherConfig, TINY)
+    model, _ = load_model(cfg.model, torch.device("cpu"))
+    from core_kv.teacher.geometry import model_fingerprint
+
+    fp = model_fingerprint(model)
+    TeacherDataset(out, fingerprint=fp, teacher={"lam": 1.0, "steps": 8})  # matches
+    with pytest.raises(TeacherDatasetMismatch, match="lam"):
+        TeacherDataset(out, teacher={"lam": 0.5})
+    with pytest.raises(TeacherDatasetMismatch, match="different base model"):
+        TeacherDataset(out, fingerprint={**fp, "num_layers": 32, "layers": 32})
+    with pytest.raises(TeacherDatasetMismatch, match="feature"):
+        TeacherDataset(out, feature_version=99)
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["format"] = "core_kv.teacher/0"
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(TeacherDatasetMismatch, match="format"):
+        TeacherDataset(bad)
+    (bad / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        TeacherDataset(bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(argv):
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # forked from a process that may hold a 1-process state
+    main(argv)
+
+
+def test_two_processes_give_the_same_allocations(one_proc, tmp_path):
+    """Documents split across 2 gloo processes (accelerate's launcher, free port) -> the same records."""
+    from accelerate.utils import PrepareForLaunch, patch_environment
+    from torch.multiprocessing import start_processes
+
+    out1, _ = one_proc
+    out2 = tmp_path / "two"
+    out2.mkdir()
+    shutil.copy(out1 / "geometry.safetensors", out2 / "geometry.safetensors")  # geometry is fitted once per model
+    with patch_environment(
+        world_size=2, master_addr="127.0.0.1", master_port=str(_free_port()), accelerate_mixed_precision="no",
+        accelerate_debug_rdv_file=str(tmp_path / "rdv"), accelerate_use_cpu="yes", gloo_socket_ifname="lo",
+    ):  # fmt: skip
+        start_processes(PrepareForLaunch(_child, debug=True), args=([*TINY, f"out_dir={out2}"],), nprocs=2,
+                        start_method="fork")  # fmt: skip
+    ds1, ds2 = TeacherDataset(out1), TeacherDataset(out2)
+    assert ds2.manifest["num_processes"] == 2
+    assert ds1.manifest["config_hash"] == ds2.manifest["config_hash"]
+    r1, r2 = ds1.records(), ds2.records()
+    assert [r.key for r in r1] == [r.key for r in r2]
+    for a, b in zip(r1, r2, strict=True):
+        torch.testing.assert_close(a.p_star, b.p_star, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a.pi_u, b.pi_u, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a.features, b.features, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(ds1.feature_stats().mean, ds2.feature_stats().mean, atol=1e-4, rtol=1e-4)
