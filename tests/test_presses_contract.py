@@ -1,0 +1,396 @@
+"""The press contract, checked for every registered press (``PRESSES``; none skipped) on tiny models built from config.
+
+Budgets are exact per head (ratio and absolute forms; per-head sums for per-head methods), kept positions are the
+top-scored ones, protected positions survive, hooks always come off, ratio 0 and budgets >= the context change
+nothing, bad options raise ``ValueError``, unsupported architectures raise. Plus: the ragged attention path against
+a hand-written per-head softmax, decode-time eviction bounds, chunked prefill, and Mistral/Qwen2/Phi3 smoke runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import DynamicCache
+
+from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa
+from core_kv.models.cache import HeadGroup, RaggedKV, RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
+from core_kv.pipeline import greedy_answer, prefill
+from core_kv.presses import PRESSES, BasePress, build_press
+
+NAMES = sorted(PRESSES)
+N_CTX = 200
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+ARCHS = {
+    "llama": ("LlamaConfig", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+}
+_MODELS: dict = {}
+
+
+def tiny(arch: str, eager: bool = False) -> torch.nn.Module:
+    """A 2-layer GQA model (4 query / 2 KV heads) of ``arch``, seeded, cached per (arch, attention)."""
+    if (arch, eager) not in _MODELS:
+        cfg_name, extra = ARCHS[arch]
+        cfg = getattr(transformers, cfg_name)(**COMMON, **extra, attn_implementation="eager" if eager else "sdpa")
+        torch.manual_seed(0)
+        _MODELS[arch, eager] = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    return _MODELS[arch, eager]
+
+
+def ids(n: int = N_CTX, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, COMMON["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def can_compress(name: str) -> bool:
+    try:
+        build_press(name, compression_ratio=0.5)
+    except ValueError:
+        return False
+    return True
+
+
+def model_for(press: BasePress, arch: str = "llama") -> torch.nn.Module:
+    return tiny(arch, eager=bool(press.needs_attentions))
+
+
+def record_selection(press: BasePress) -> list[tuple[torch.Tensor, object]]:
+    """Wrap ``press.select`` to record (masked scores, kept) per eviction event."""
+    calls: list = []
+    select = press.select
+
+    def wrapped(scores, n_kept, module, kwargs):
+        kept = select(scores, n_kept, module, kwargs)
+        calls.append((scores.detach().clone(), kept, n_kept, module.layer_idx))
+        return kept
+
+    press.select = wrapped
+    return calls
+
+
+def kept_rows(kept) -> list[torch.Tensor]:
+    return list(kept[0]) if isinstance(kept, torch.Tensor) else list(kept)
+
+
+def no_hooks(model: torch.nn.Module) -> bool:
+    return all(
+        not m._forward_hooks and not m._forward_pre_hooks and "_core_kv_attn" not in m.o_proj.__dict__
+        for m in attention_modules(model)
+    ) and not model.config._attn_implementation.startswith(PREFIX)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Budgets and selection
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("form", [{"compression_ratio": 0.5}, {"budget": 50}], ids=["ratio", "budget"])
+@pytest.mark.parametrize("name", NAMES)
+def test_budget_exact_and_top_scored(name, form, arch):
+    if not can_compress(name):
+        with pytest.raises(ValueError):
+            build_press(name, **form)
+        return
+    press = build_press(name, **form)
+    model = model_for(press, arch)
+    calls = record_selection(press)
+    cache = prefill(model, ids(), press)
+    lengths = kv_bytes(cache)["tokens_per_head"]
+    hkv = COMMON["num_key_value_heads"]
+    for layer, attn in enumerate(attention_modules(model)):
+        target = press.layer_target(attn, N_CTX)
+        assert target <= N_CTX and (form.get("budget") is None or name == "pyramidkv" or target == 50)
+        per_head = lengths[layer]
+        if len(set(per_head)) == 1:
+            assert per_head == [target] * hkv, f"layer {layer}: {per_head} != budget {target}"
+        else:  # per-head budgets: the layer total is exact
+            assert sum(per_head) == hkv * target and min(per_head) >= 1, f"layer {layer}: {per_head}"
+    if type(press).compress is not BasePress.compress:
+        return  # the press composes its own selection (e.g. a repair pass); the budget is what is contracted
+    assert len(calls) == COMMON["num_hidden_layers"]
+    for scores, kept, n_kept, _ in calls:
+        rows = kept_rows(kept)
+        if type(press).select is BasePress.select:
+            for h, row in enumerate(rows):
+                mask = torch.zeros(scores.shape[-1], dtype=torch.bool)
+                mask[row] = True
+                assert scores[0, h, mask].min() >= scores[0, h, ~mask].max(), f"head {h} did not keep its top-k"
+        elif name == "adakv":  # global top-k across heads, after each head's safeguard
+            n_safe = max(1, int(n_kept * press.alpha_safeguard))
+            safe = torch.zeros_like(scores[0], dtype=torch.bool).scatter_(-1, scores[0].topk(n_safe).indices, True)
+            keep = torch.zeros_like(safe)
+            for h, row in enumerate(rows):
+                keep[h, row] = True
+            assert (safe & ~keep).sum() == 0
+            assert scores[0][keep & ~safe].min() >= scores[0][~keep].max()
+
+
+# twin_repair builds its inner press without the wrapper's protected_* (they only shield positions from the repair
+# swaps), so a protected position the inner scorer drops stays dropped. Strict: the mark fails once that is fixed.
+PROTECTED_KNOWN_BAD = {"twin_repair": "twin_repair does not forward protected_sinks/recent to its inner press"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=PROTECTED_KNOWN_BAD[n]))
+        if n in PROTECTED_KNOWN_BAD
+        else n
+        for n in NAMES
+    ],
+)
+def test_protected_positions_kept(name):
+    if not can_compress(name):
+        return
+    press = build_press(name, compression_ratio=0.75, protected_sinks=4, protected_recent=8)
+    cache = prefill(model_for(press), ids(), press)
+    full = prefill(model_for(press), ids(), None)
+    for layer, full_layer in zip(cache.layers, full.layers, strict=True):
+        keys = layer.padded()[0] if isinstance(layer, RaggedLayer) else layer.keys
+        lens = layer_lengths(layer)
+        for h in range(keys.shape[1]):
+            kept = keys[0, h, : lens[h]]
+            for pos in [*range(4), *range(N_CTX - 8, N_CTX)]:
+                assert (kept == full_layer.keys[0, h, pos]).all(-1).any(), f"protected position {pos} evicted"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Hooks, no-ops, validation
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hooks_removed_even_when_forward_raises(name):
+    press = build_press(name, compression_ratio=0.5) if can_compress(name) else build_press(name)
+    model = model_for(press)
+    prefill(model, ids(80), press)
+    assert no_hooks(model)
+    with pytest.raises(ValueError, match="KV cache"):
+        with press(model):
+            assert not no_hooks(model)
+            model.model(input_ids=ids(80), use_cache=False)  # the press's hook raises inside the forward
+    assert no_hooks(model)
+    with pytest.raises(KeyError):
+        with press(model):
+            raise KeyError("user code failing inside the block")
+    assert no_hooks(model)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ratio_zero_and_large_budget_are_noops(name):
+    model = tiny("qwen3", eager=bool(build_press(name).needs_attentions))
+    ctx, question = ids(120), ids(6, seed=2)
+
+    def answer(press):
+        cache = prefill(model, ctx, press)
+        assert kv_bytes(cache)["tokens_per_head"] == [[120, 120]] * 2
+        return greedy_answer(model, cache, 120, question, 5, press, eos_token_ids=[])
+
+    reference = answer(None)
+    assert answer(build_press(name)) == reference
+    if can_compress(name):
+        assert answer(build_press(name, budget=120)) == reference
+        assert answer(build_press(name, budget=10_000)) == reference
+
+
+BAD = {
+    "ratio_one": {"compression_ratio": 1.0},
+    "ratio_negative": {"compression_ratio": -0.1},
+    "ratio_nan": {"compression_ratio": math.nan},
+    "budget_zero": {"budget": 0},
+    "ratio_and_budget": {"compression_ratio": 0.5, "budget": 10},
+    "unknown_option": {"no_such_option": 1},
+}
+
+
+@pytest.mark.parametrize("bad", BAD.values(), ids=BAD.keys())
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_options_raise(name, bad):
+    with pytest.raises(ValueError):
+        build_press(name, **bad)
+
+
+def test_unknown_press_and_eager_requirement():
+    with pytest.raises(ValueError, match="unknown press"):
+        build_press("no_such_press")
+    for name in NAMES:
+        press = build_press(name)
+        if press.needs_attentions:
+            with pytest.raises(ValueError, match="eager"):
+                with press(tiny("llama", eager=False)):
+                    pass
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unsupported_architecture_raises(name):
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    press = build_press(name, compression_ratio=0.5) if can_compress(name) else build_press(name)
+    with pytest.raises(UnsupportedModelError):
+        with press(model):
+            pass
+    assert issubclass(UnsupportedModelError, ValueError)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Ragged attention, decode-time eviction, chunked prefill
+
+
+def naive_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float):
+    """Per query head: softmax(q k^T * scale) v over that head's own KV head, causal over the last T keys."""
+    b, h, t, d = q.shape
+    groups = h // len(keys)
+    out = torch.empty(b, t, h, d)
+    for head in range(h):
+        k, v = keys[head // groups], values[head // groups]  # (S_h, D)
+        s = k.shape[0]
+        logits = q[0, head] @ k.T * scale  # (T, S_h)
+        visible = torch.arange(s)[None, :] <= (s - t + torch.arange(t))[:, None]
+        out[0, :, head] = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1) @ v
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_ragged_attention_matches_naive_reference(t):
+    torch.manual_seed(0)
+    d, lengths = 16, [9, 14, 9]  # KV heads 0 and 2 share a quota group
+    keys = [torch.randn(n, d) for n in lengths]
+    values = [torch.randn(n, d) for n in lengths]
+    groups = []
+    for n in sorted(set(lengths)):
+        heads = [h for h, m in enumerate(lengths) if m == n]
+        groups.append(
+            HeadGroup(
+                torch.tensor(heads),
+                torch.stack([keys[h] for h in heads])[None],
+                torch.stack([values[h] for h in heads])[None],
+            )
+        )
+    q = torch.randn(1, 6, t, d)  # 2 query heads per KV head
+    got = ragged_sdpa(None, q, RaggedKV(groups, 3), scaling=d**-0.5)
+    torch.testing.assert_close(got, naive_attention(q, keys, values, d**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_cache_question_matches_masked_dense_model():
+    """End to end: a per-head cache answers like the full cache with the evicted keys masked out per head."""
+    model = tiny("llama")
+    press = build_press("adakv", press="knorm", compression_ratio=0.5)
+    calls = record_selection(press)
+    cache = prefill(model, ids(), press)
+    assert any(isinstance(layer, RaggedLayer) for layer in cache.layers), "expected unequal per-head budgets"
+    question = ids(4, seed=3)
+    with torch.inference_mode(), press(model):
+        pos = torch.arange(N_CTX, N_CTX + 4)[None]
+        got = model(input_ids=question, position_ids=pos, **{cache_kwarg(model): cache}).logits
+
+    # reference: full cache, eager per-head masking of the evicted positions via a hook on the attention scores
+    full = prefill(model, ids(), None)
+    keep = {}
+    for _, kept, _, layer in calls:
+        mask = torch.zeros(COMMON["num_key_value_heads"], N_CTX + 4, dtype=torch.bool)
+        for h, row in enumerate(kept_rows(kept)):
+            mask[h, row] = True
+        mask[:, N_CTX:] = True
+        keep[layer] = mask
+    fam = transformers.models.llama.modeling_llama
+    eager = fam.eager_attention_forward
+
+    def masked_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        k = key.repeat_interleave(groups, 1)
+        v = value.repeat_interleave(groups, 1)
+        logits = query @ k.transpose(2, 3) * scaling  # (1, H, T, S)
+        t, s = logits.shape[-2:]
+        visible = keep[module.layer_idx].repeat_interleave(groups, 0)[None, :, None, :s].clone()
+        visible = visible & (torch.arange(s)[None, :] <= (s - t + torch.arange(t))[:, None])[None, None]
+        out = F.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1) @ v
+        return out.transpose(1, 2).contiguous(), None
+
+    try:
+        fam.eager_attention_forward = masked_eager
+        model.config._attn_implementation = "eager"
+        with torch.inference_mode():
+            want = model(input_ids=question, position_ids=pos, **{cache_kwarg(model): full}).logits
+    finally:
+        fam.eager_attention_forward = eager
+        model.config._attn_implementation = "sdpa"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_time_eviction_stays_within_budget_plus_slack(name):
+    if not can_compress(name):
+        return
+    budget, slack = 40, 8
+    try:
+        press = build_press(name, budget=budget, decoding=True, decoding_slack=slack)
+    except ValueError as e:  # a press may declare decode-time eviction unsupported, but must say so
+        assert "decoding" in str(e)
+        return
+    model = model_for(press, "qwen3")
+    cache = DynamicCache()
+    key = cache_kwarg(model)
+    with torch.inference_mode(), press(model):
+        model(input_ids=ids(100), use_cache=True, **{key: cache})
+        for layer in cache.layers:
+            assert int(layer_lengths(layer).sum()) == 2 * budget
+        token = ids(1, seed=4)
+        for step in range(24):
+            pos = torch.tensor([[100 + step]])
+            out = model(input_ids=token, position_ids=pos, use_cache=True, **{key: cache})
+            token = out.logits[:, -1:].argmax(-1)
+            for layer in cache.layers:
+                lens = layer_lengths(layer)
+                # per-head presses bound the layer total; uniform ones every head
+                assert int(lens.sum()) <= lens.numel() * (budget + slack), f"step {step}: {lens.tolist()}"
+                if not isinstance(layer, RaggedLayer):
+                    assert int(lens.max()) <= budget + slack, f"step {step}: {lens.tolist()}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chunked_prefill_keeps_the_budget(name):
+    if not can_compress(name):
+        return
+    press = build_press(name, budget=48)
+    model = model_for(press)
+    try:
+        cache = prefill(model, ids(), press, chunk_size=64)
+    except ValueError as e:  # a press may declare chunked prefill unsupported, but must say so
+        assert "chunk" in str(e)
+        return
+    hkv = COMMON["num_key_value_heads"]
+    for layer, attn in zip(cache.layers, attention_modules(model), strict=True):
+        lens = layer_lengths(layer)  # the last chunk (8 tokens) left 48 + 8 > 48 tokens: compressed back to 48
+        assert int(lens.sum()) == hkv * press.layer_target(attn, 56), lens.tolist()
+    answer = greedy_answer(model, cache, N_CTX, ids(4, seed=5), 3, press, eos_token_ids=[])
+    assert len(answer) == 3
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Other families
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "phi3"])
+@pytest.mark.parametrize("name", NAMES)
+def test_other_families_smoke(name, arch):
+    press = build_press(name, compression_ratio=0.5) if can_compress(name) else build_press(name)
+    model = tiny(arch, eager=bool(press.needs_attentions))
+    cache = prefill(model, ids(96), press)
+    per_head = kv_bytes(cache)["tokens_per_head"]
+    for layer, attn in zip(per_head, attention_modules(model), strict=True):
+        assert sum(layer) == len(layer) * press.layer_target(attn, 96) if can_compress(name) else layer == [96, 96]
+    answer = greedy_answer(model, cache, 96, ids(4, seed=6), 2, press, eos_token_ids=[])
+    assert len(answer) == 2
