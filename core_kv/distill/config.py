@@ -18,7 +18,7 @@ def _proxy_teacher() -> TeacherConfig:
     return TeacherConfig(
         out_dir="runs/teacher/proxy",
         model=ModelSpec(path="checkpoints/proxy-lm"),
-        data=DataSpec(source="proxy", num_docs=24, calib_docs=8, min_len=1024, max_len=2048),
+        data=DataSpec(source="proxy", num_docs=16, calib_docs=8, min_len=1024, max_len=2048),
         chunk_size=256,
         ratios=[0.75, 0.9],
         progress=True,
@@ -33,7 +33,7 @@ class IndexerStage:
 
     warmup_steps: int = 40
     records_per_micro: int = 16  # teacher records (event × layer) per micro-batch in the warm-up
-    steps: int = 48
+    steps: int = 40
     lr: float = 1.0e-3
     weight_decay: float = 0.01
     warmup_lr_steps: int = 8
@@ -46,16 +46,16 @@ class CalibrationStage:
     """Stage 3: one temperature per layer on held-out documents (golden-section on log T)."""
 
     docs: int = 8
-    log_t_min: float = -3.0
-    log_t_max: float = 3.0
-    grid: int = 121
+    log_t_min: float = -4.0
+    log_t_max: float = 4.0
+    grid: int = 161
 
 
 @dataclass
 class MemoryStage:
     """Stage 4: ``W_φ`` and the gate, base model / indexer / temperatures frozen."""
 
-    steps: int = 48
+    steps: int = 40
     lr: float = 2.0e-3
     weight_decay: float = 0.0
     warmup_lr_steps: int = 8
@@ -87,7 +87,7 @@ class TrainConfig:
     out_dir: str = "checkpoints/core-proxy"
     teacher: TeacherConfig = field(default_factory=_proxy_teacher)
     build_teacher: bool = True
-    train_docs: int = 24
+    train_docs: int = 16
     calib_docs: int = 6
     eval_docs: int = 6
     ratios: list[float] = field(default_factory=lambda: [0.75, 0.9, 0.5])

@@ -62,8 +62,8 @@ def fit_temperature(
     scores: list[torch.Tensor],
     evicted: list[torch.Tensor],
     alpha: list[torch.Tensor],
-    log_t_range: tuple[float, float] = (-3.0, 3.0),
-    grid: int = 121,
+    log_t_range: tuple[float, float] = (-4.0, 4.0),
+    grid: int = 161,
     refine: int = 40,
 ) -> tuple[float, dict]:
     """Temperature ``T`` minimising ``Σ_e (logit ε̂_e(T) − logit α_e)²`` over the events of one layer.
