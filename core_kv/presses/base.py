@@ -212,7 +212,9 @@ class BasePress:
                 return output
         elif self.decoding:
             base = self.budget if self.budget is not None else self.target(st["seen"])
-            if size <= base + self.decoding_slack:
+            # per-head budgets: trigger on the average head (the budget is an average), not the longest head,
+            # which per-head allocation routinely puts above base + slack (it re-evicted on every step)
+            if int(lengths.sum()) <= lengths.numel() * (base + self.decoding_slack):
                 return output
             n_kept = min(base, size)
         else:
