@@ -238,3 +238,24 @@ def test_sigkill_mid_grid_then_rerun_matches(clean_run, data, tmp_path):
     assert not (partial.parent / "metrics.json").exists()
     run_eval(_cfg(data, out))
     assert _folder_contents(out) == _folder_contents(clean_out)
+
+
+def test_method_labels_and_report_table(data, tmp_path):
+    from core_kv.eval.report import markdown_report
+    from core_kv.eval.runner import _build_press
+
+    cfg = _cfg(data, tmp_path, "methods=[ada_snapkv]", "press_options.ada_snapkv={kind: adakv, press: snapkv}")
+    press = _build_press(cfg, "ada_snapkv", 0.5)
+    assert press.name == "adakv" and press.press.name == "snapkv" and press.compression_ratio == 0.5
+
+    def cell(method, ratio, avg, aux):
+        return {"benchmark": "b", "method": method, "ratio": ratio, "average": avg, "tasks": {"t1": avg, "t2": avg},
+                "kv_bytes": 2048.0 * (1 - ratio), "aux_bytes": aux, "context_tokens": 100.0, "num_samples": 2,
+                "num_contexts": 1, "average_label": "mean", "higher_is_better": True}  # fmt: skip
+
+    md = markdown_report(
+        [cell("full", 0.0, 90.0, 0), cell("core", 0.5, 80.0, 3 * 1024), cell("core", 0.75, 60.5, 0)], "m"
+    )
+    assert "| full (reference) | 90.00 | 90.00 |" in md
+    assert "| core | 80.00 | 60.50 |" in md
+    assert "| core | 0.50 | 80.00 | 80.00 | 80.00 | 1.0 KiB | 3.0 KiB | 100 |" in md

@@ -93,11 +93,14 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
             lines.append(f"| {name} | " + " | ".join(_fmt(v["average"]) if v else "-" for v in vals) + " |")
         lines.append("")
         tasks = list(dict.fromkeys(t for c in bc for t in c.get("tasks", {})))
-        head = ["method", "ratio", *tasks, "average", "KV payload / ctx", "aux state / ctx", "ctx tokens"]
+        lengths = list(dict.fromkeys(L for c in bc for L in c.get("by_length", {})))
+        head = ["method", "ratio", *tasks, *(f"avg L={L}" for L in lengths), "average"]
+        head += ["KV payload / ctx", "aux state / ctx", "ctx tokens"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for c in bc:
-            row = [c["method"], f"{c['ratio']:.2f}", *(_fmt(c["tasks"].get(t)) for t in tasks), _fmt(c["average"])]
+            row = [c["method"], f"{c['ratio']:.2f}", *(_fmt(c["tasks"].get(t)) for t in tasks)]
+            row += [*(_fmt(c.get("by_length", {}).get(L)) for L in lengths), _fmt(c["average"])]
             row += [
                 human_bytes(c.get("kv_bytes")),
                 human_bytes(c.get("aux_bytes")),
