@@ -21,6 +21,7 @@ from core_kv.eval.fidelity import (
     evaluate_fidelity_context,
     full_reference,
     load_fidelity,
+    markdown_tables,
 )
 from core_kv.models.cache import RaggedLayer
 from core_kv.pipeline import prefill
@@ -283,3 +284,13 @@ def test_aggregate_per_length_and_direction():
     assert agg["higher_is_better"] == ["top1_agreement"]
     with pytest.raises(ValueError):
         aggregate_fidelity([])
+
+
+def test_markdown_tables_flag_direction():
+    cells = [
+        {"method": "full", "ratio": 0.0, "fidelity": {"avg": {"kl": 0.0, "ppl_ratio": 1.0, "top1_agreement": 1.0}}},
+        {"method": "knorm", "ratio": 0.5, "fidelity": {"avg": {"kl": 0.25, "ppl_ratio": 1.5, "top1_agreement": 0.5}}},
+    ]
+    md = markdown_tables(cells)
+    assert "lower is better" in md and "higher is better" in md
+    assert "| full | 0.0000 |" in md and "| knorm | 0.2500 |" in md and "| knorm | 0.5000 |" in md

@@ -396,3 +396,43 @@ def aggregate_fidelity(rows: Iterable[Mapping]) -> dict:
         "lower_is_better": sorted(LOWER_IS_BETTER),
         "higher_is_better": sorted(HIGHER_IS_BETTER),
     }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tables
+
+
+def markdown_tables(cells: Iterable[Mapping]) -> str:
+    """Method x ratio markdown tables of the three metrics (mean over lengths) from the runner's ``metrics.json``s.
+
+    Args:
+        cells: metrics dicts of fidelity cells (``method``, ``ratio`` and the ``fidelity`` aggregate).
+
+    Returns:
+        Three tables (KL, perplexity ratio, top-1 agreement), each titled with its direction, methods in the
+        order first seen with the uncompressed reference first.
+    """
+    cells = [c for c in cells if "fidelity" in c]
+    if not cells:
+        raise ValueError("no fidelity cells")
+    ratios = sorted({float(c["ratio"]) for c in cells if float(c["ratio"]) > 0})
+    methods = sorted(dict.fromkeys(c["method"] for c in cells), key=lambda m: m != "full")
+    value = {(c["method"], float(c["ratio"])): c["fidelity"]["avg"] for c in cells}
+    full = next((v for (m, _), v in value.items() if m == "full"), None)
+    out = []
+    for metric in METRICS:
+        out += [f"**{METRIC_LABELS[metric]}**", "", "| method | " + " | ".join(f"{r:.2f}" for r in ratios) + " |"]
+        out.append("|---|" + "---|" * len(ratios))
+        for m in methods:
+            vals = [full if m == "full" else value.get((m, r)) for r in ratios]
+            out.append(f"| {m} | " + " | ".join("—" if v is None else f"{v[metric]:.4f}" for v in vals) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    folder = Path(sys.argv[1])
+    print(markdown_tables(json.loads(p.read_text()) for p in sorted(folder.glob("fidelity__*/metrics.json"))))
