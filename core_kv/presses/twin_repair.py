@@ -134,6 +134,8 @@ class TwinRepairPress(BasePress, name="twin_repair"):
             if self.press_options:
                 raise ValueError("press_options only apply to a press given by name")
             inner = self.press
+            if inner.decoding and not self.decoding:  # the wrapper's hooks decide when to evict
+                self.decoding, self.decoding_slack = inner.decoding, inner.decoding_slack
             if self.is_noop:
                 self.compression_ratio, self.budget = inner.compression_ratio, inner.budget
             elif (self.compression_ratio, self.budget) != (inner.compression_ratio, inner.budget):

@@ -46,10 +46,13 @@ def nonlocal_counts(
     pos = torch.arange(n, device=keys.device)
     counts = torch.zeros(khat.shape[:3], dtype=torch.long, device=keys.device)
     for start in range(0, n, block_size):
-        q = khat[:, :, start : start + block_size]  # (B, H, C, D)
-        sim = q @ khat.transpose(-1, -2)  # (B, H, C, N)
-        far = (pos[start : start + q.shape[2], None] - pos[None, :]).abs() > local_window  # (C, N)
-        counts[:, :, start : start + q.shape[2]] = ((sim > threshold) & far).sum(-1)
+        end = min(n, start + block_size)
+        # 1.0 where k̂_i·k̂_j > τ, in place: float sums are exact below 2^24 and much faster than bool sums
+        hits = (khat[:, :, start:end] @ khat.transpose(-1, -2)).gt_(threshold)  # (B, H, C, N)
+        lo, hi = max(0, start - local_window), min(n, end + local_window)  # the local band |i - j| <= ℓ
+        near = (pos[start:end, None] - pos[None, lo:hi]).abs() <= local_window  # (C, C + 2ℓ)
+        local = (hits[..., lo:hi] * near).sum(-1)
+        counts[:, :, start:end] = (hits.sum(-1) - local).long()
     return counts
 
 
@@ -160,9 +163,11 @@ class TwinKVPress(BasePress, name="twinkv"):
     ``permute_seed`` (paper seeds 11, 29, 47), which permutes the unprotected counts within each KV head.
 
     Deviations: the paper leaves the permutation PRNG unspecified; here a ``torch.Generator`` seeded with
-    ``permute_seed * 1_000_003 + layer_idx`` draws one ``randperm`` per head in head order. TwinKV compresses a
-    whole prefix once (§4: "generated tokens are not evicted"), so ``decoding=True`` and re-compressing a ragged
-    cache (chunked prefill after the first chunk) raise ``ValueError``.
+    ``permute_seed * 1_000_003 + layer_idx`` draws one ``randperm`` per head in head order. App. A.2 does not say
+    how the W observation queries are pooled; they are averaged, as in the Ada-KV reference (any per-head-equal
+    pooling gives the same ``g_h``). TwinKV compresses a whole prefix once (§4: "generated tokens are not
+    evicted"), so ``decoding=True`` and re-compressing an already compressed cache (a chunked prefill after the
+    first chunk) raise ``ValueError``.
 
     Args:
         threshold: cosine threshold τ of a twin (strict ``>``).
@@ -220,8 +225,12 @@ class TwinKVPress(BasePress, name="twinkv"):
         lengths: torch.Tensor | None = None,
     ) -> Kept:
         b, h, n, _ = keys.shape
-        if lengths is not None and bool((lengths != n).any()):
-            raise ValueError("TwinKV compresses a whole prefix once; it cannot re-compress a ragged cache")
+        seen = self._state.get(getattr(module, "layer_idx", None), {}).get("seen", n)
+        if seen != n or (lengths is not None and bool((lengths != n).any())):
+            raise ValueError(
+                f"TwinKV compresses a whole prefix once (paper §4): this cache holds {n} of the {seen} tokens seen, "
+                "so it was compressed before (chunked prefill re-compression is outside the method)"
+            )
         sinks, recent = self.protected(n_kept)
         prot = protected_mask(n, sinks, recent, keys.device)
         unprotected = n_kept - sinks - recent
