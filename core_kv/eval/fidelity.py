@@ -274,8 +274,8 @@ def continuation_logprobs(
 
 def compare(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dict:
     """Fidelity metrics of log-probs ``test`` against ``ref`` (both ``(T, V)``) on next tokens ``targets`` ``(T,)``."""
-    ref, test = ref.float(), test.to(ref.device).float()
-    targets = targets.to(ref.device)
+    ref, test = ref.to(test.device).float(), test.float()  # on the model's device: (T, V) is large for big vocabs
+    targets = targets.to(test.device)
     kl = (ref.exp() * (ref - test)).sum(-1)  # (T,) KL(p_ref || p_test), nats
     nll_ref = -ref.gather(-1, targets[:, None])[:, 0].mean()
     nll_test = -test.gather(-1, targets[:, None])[:, 0].mean()
