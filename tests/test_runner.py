@@ -251,7 +251,7 @@ def test_method_labels_and_report_table(data, tmp_path):
     def cell(method, ratio, avg, aux):
         return {"benchmark": "b", "method": method, "ratio": ratio, "average": avg, "tasks": {"t1": avg, "t2": avg},
                 "kv_bytes": 2048.0 * (1 - ratio), "aux_bytes": aux, "context_tokens": 100.0, "num_samples": 2,
-                "num_contexts": 1, "average_label": "mean", "higher_is_better": True}  # fmt: skip
+                "num_contexts": 1, "average_label": "mean", "higher_is_better": True, "kind": "jsonl"}  # fmt: skip
 
     md = markdown_report(
         [cell("full", 0.0, 90.0, 0), cell("core", 0.5, 80.0, 3 * 1024), cell("core", 0.75, 60.5, 0)], "m"

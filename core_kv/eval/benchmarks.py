@@ -186,6 +186,10 @@ class Benchmark:
         """Benchmark-specific figures of one cell (none by default); ``name`` is folder-safe, ``title`` for display."""
         return []
 
+    def report_tables(self, cells: list[dict]) -> list[tuple[str, str]]:
+        """Extra methods × ratios tables for the report: ``(title, metrics key)`` pairs (none by default)."""
+        return []
+
 
 def _task_scores(rows: list[dict], samples: list[Sample]) -> dict[str, float]:
     """``scorers.task_score`` per task (RULER/LongBench means, LooGLE pooled cloze), tasks in order of appearance."""
@@ -295,6 +299,12 @@ class Fidelity(Benchmark, name="fidelity"):
             r["context_tokens"] = r.pop("context_length")
             r["prediction"] = None
         return rows
+
+    def report_tables(self, cells: list[dict]) -> list[tuple[str, str]]:
+        return [
+            ("perplexity ratio, compressed / full (lower is better, 1 = lossless)", "ppl_ratio"),
+            ("top-1 agreement with the full cache (higher is better)", "top1_agreement"),
+        ]
 
     def aggregate(self, rows: list[dict], samples: list[Sample]) -> dict:
         from core_kv.eval.fidelity import aggregate_fidelity

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from core_kv.eval.benchmarks import Benchmark
+from core_kv.eval.benchmarks import Benchmark, get_benchmark
 
 REFERENCE = "full"
 
@@ -84,14 +84,9 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
         first = bc[0]
         direction = "higher is better" if first.get("higher_is_better", True) else "lower is better"
         lines += [f"## {bench} - {first.get('average_label', 'average')} ({direction})", ""]
-        columns = ratios or [0.0]  # a reference-only run has one column
-        lines.append("| method | " + " | ".join(f"{r:.2f}" for r in columns) + " |")
-        lines.append("|---|" + "---|" * len(columns))
-        for m in _methods(bc):
-            vals = [_lookup(bc, m, r) for r in columns]
-            name = f"{m} (reference)" if m == REFERENCE else m
-            lines.append(f"| {name} | " + " | ".join(_fmt(v["average"]) if v else "-" for v in vals) + " |")
-        lines.append("")
+        lines += _grid_table(bc, ratios, "average")
+        for title, key in get_benchmark(first.get("kind", bench)).report_tables(bc):
+            lines += [f"**{title}**", "", *_grid_table(bc, ratios, key, digits=4)]
         tasks = list(dict.fromkeys(t for c in bc for t in c.get("tasks", {})))
         lengths = list(dict.fromkeys(L for c in bc for L in c.get("by_length", {})))
         head = ["method", "ratio", *tasks, *(f"avg L={L}" for L in lengths), "average"]
@@ -111,6 +106,19 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
         lines.append(f"{first['num_samples']} samples over {first['num_contexts']} contexts per cell.")
         lines.append("")
     return "\n".join(lines)
+
+
+def _grid_table(cells: list[dict], ratios: list[float], key: str, digits: int | None = None) -> list[str]:
+    """Methods × ratios of ``cell[key]``; the reference row repeats its one value at every ratio."""
+    columns = ratios or [0.0]  # a reference-only run has one column
+    lines = ["| method | " + " | ".join(f"{r:.2f}" for r in columns) + " |", "|---|" + "---|" * len(columns)]
+    for m in _methods(cells):
+        vals = [_lookup(cells, m, r) for r in columns]
+        name = f"{m} (reference)" if m == REFERENCE else m
+        shown = [v.get(key) if v else None for v in vals]
+        text = [f"{x:.{digits}f}" if digits is not None and x is not None else _fmt(x) for x in shown]
+        lines.append(f"| {name} | " + " | ".join(text) + " |")
+    return [*lines, ""]
 
 
 def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> Path:
