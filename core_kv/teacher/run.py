@@ -136,7 +136,7 @@ class TeacherConfig:
     data: DataSpec = field(default_factory=DataSpec)
     chunk_size: int = 512
     qa_weight: float = 0.5
-    lam: float = 1.0
+    lam: float = 2.0
     steps: int = 8  # R0 [paper Table 5]
     ref_steps: int = 16  # Table 5 reference
     eta: str = "auto"  # "auto" or a number in (0, 1]
@@ -213,6 +213,12 @@ def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     dtype = getattr(torch, spec_.dtype)
+    local = spec_.path.startswith(("checkpoints/", "runs/", "./", "/"))
+    if not spec_.random_init and local and not Path(spec_.path).is_dir():
+        raise FileNotFoundError(
+            f"model.path {spec_.path} does not exist: train/export the proxy LM first (python -m "
+            "core_kv.models.train_proxy ...), or pass model.path=<HF folder or hub id>"
+        )
     tok = None
     tok_path = spec_.tokenizer or ("" if spec_.random_init else spec_.path)
     if tok_path == "build":
