@@ -147,6 +147,7 @@ class TeacherConfig:
     num_prototypes: int = 64
     geometry_path: str = ""  # "" = <out_dir>/geometry.safetensors (fitted if absent)
     metrics: bool = True
+    metrics_docs: int = -1  # Table 5/7 on documents with index < this only (-1: all); the greedy is O(B·N·M)
     records_per_shard: int = 256
     feature_dtype: str = "float16"
     threads: int = 1  # >0: torch.set_num_threads (1 is fastest on shared CPUs; 0 = leave it)
@@ -268,9 +269,12 @@ def make_docs(data: DataSpec, indices: list[int], tokenizer) -> list[Doc]:
             row = ds[i % len(ds)]
             ctx = tokenizer(row[data.hf_context_field], add_special_tokens=True)["input_ids"]
             ans = tokenizer(row[data.hf_answer_field], add_special_tokens=False)["input_ids"]
-            ids = (ctx + ans)[: data.max_len]
+            ans = ans[:512]
+            room = max(data.max_len - len(ans), 2 * data.question_tokens)
+            if len(ctx) > room:  # middle truncation (as LongBench does): keep the head and the question at the end
+                ctx = ctx[: room // 2] + ctx[len(ctx) - (room - room // 2) :]
             qa = max(len(ctx) - data.question_tokens, 1)
-            out.append(Doc(i, ids, qa if qa < len(ids) - 1 else None, "hf"))
+            out.append(Doc(i, ctx + ans, qa, "hf"))
         return out
     from core_kv.models.proxy_data import Generator
 
@@ -436,7 +440,7 @@ def process_layer(
             writer.add(TeacherRecord(doc.index, e, layer, cand.cpu(), feats.cpu(), pi_u.float().cpu(),
                                      p_star.float().cpu(), budgets))  # fmt: skip
         rec.events += 1
-        if cfg.metrics:
+        if cfg.metrics and (cfg.metrics_docs < 0 or doc.index < cfg.metrics_docs):
             with timer("metrics"):
                 record_metrics(cfg, pi_u, phi_e, p_star, t_e, rec)
 
@@ -680,7 +684,7 @@ def merge(cfg: TeacherConfig, out: Path, world: int, dims: dict, fp: dict, t_sta
 
     resolved = to_dict(cfg)
     atomic_write_text(out / "config.yaml", OmegaConf.to_yaml(resolved))
-    hashed = {k: v for k, v in resolved.items() if k not in ("out_dir", "progress", "threads", "metrics")}
+    hashed = {k: v for k, v in resolved.items() if k not in ("out_dir", "progress", "threads", "metrics", "metrics_docs")}
     shards = sorted((s for p in parts for s in p["shards"]), key=lambda s: s["file"])
     manifest = {
         "format": FORMAT,
