@@ -146,3 +146,26 @@ def test_two_processes_give_the_same_allocations(one_proc, tmp_path):
         torch.testing.assert_close(a.pi_u, b.pi_u, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(a.features, b.features, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(ds1.feature_stats().mean, ds2.feature_stats().mean, atol=1e-4, rtol=1e-4)
+
+
+def test_hf_documents_keep_question_and_answer(tmp_path):
+    """``data.source=hf`` (LongAlpaca-style rows): long contexts are cut in the middle, the question tail survives."""
+    rows = [
+        {"instruction": "w " * 400 + "Question: what?", "output": "an answer"},
+        {"instruction": "short q", "output": "a"},
+    ]
+    (tmp_path / "train.json").write_text("\n".join(json.dumps(r) for r in rows))
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": ([1] if add_special_tokens else []) + [len(w) for w in text.split()]}
+
+    cfg = load_config(TeacherConfig, ["data.source=hf", f"data.hf_dataset={tmp_path}", "data.max_len=100",
+                                      "data.question_tokens=8"])  # fmt: skip
+    long, short = make_docs(cfg.data, [0, 1], Tok())
+    assert len(long.ids) == 100 and long.ids[-2:] == [2, 6]  # ends with the answer "an answer"
+    assert long.qa_start == 100 - 2 - 8 and long.ids[long.qa_start + 6 : long.qa_start + 8] == [
+        9,
+        5,
+    ]  # "Question: what?"
+    assert short.ids == [1, 5, 1, 1] and short.qa_start == 1
