@@ -1,0 +1,475 @@
+"""CORE at inference: one calibrated distribution drives retention (Top-B) and compensation (latent-memory writes).
+
+Paper: Liu et al., 2026, "One Distribution, Two Channels: Coverage-Calibrated KV Retention and Compensation"
+(``../shared/papers/002_8a6c3448532074fc.txt``); the method as this project builds it: ``../shared/design/CORE.md``
+("Inference", "Certificate", "Ablations", "Costs"), ``../shared/research/indexmem_core.md`` §3.5–3.9.
+
+Per eviction event, per layer (every KV head at once)::
+
+    candidates = cached entries (retained set of the last event + tokens since)
+    features   = core_kv.features.compute_features(...)       # the same function the teacher and trainer call
+    s, p       = indexer.scores(l, features), softmax(s / T_l)  # one calibrated distribution
+    R          = protected sinks + recent window + Top-(B − |P|) of s   (teacher.metrics.top_free, as replay)
+    E          = candidates \\ R;  ε̂ = Σ_E p_i;  w = write_weights(p, E, rule)
+    memory     ← write(memory, φ⁺(k̃_E), v_E, w);  E dropped from the cache
+
+and before ``o_proj`` of every later query (chunk queries, question and generated tokens) the gated readout
+``ô = o_R + g(q)(m(q) − o_R)`` (:func:`core_kv.memory.compensate`) replaces the retained-cache output. The memory
+uses pre-RoPE keys; the cache holds post-RoPE keys, so the press tracks the original position of every cached
+entry and un-rotates evicted keys with the model's own RoPE (exact: ``R(θ)⁻¹ = R(−θ)``), storing no extra keys.
+
+This is :func:`core_kv.distill.replay.replay_layer` (``policy="student"``) + the memory step of
+:class:`core_kv.distill.steps.MemoryStep`, run online: same event budgets ``B = floor(t_e (1 − r))`` (``t_e`` =
+tokens processed, not cache size), same protected sets, same features, same Top-B rule. One difference is by
+design: here layer l+1 sees the compressed (and compensated) layer l (the real cascade); training is
+teacher-forced across layers (replay.py's docstring). ``tests/test_core_press.py`` checks the layer-0 retained
+sets equal the replay's.
+
+When it evicts: the first forward on an empty cache (one-shot prefill), every forward inside
+:meth:`~core_kv.presses.base.BasePress.chunked_prefill` (chunked prefill, ``pipeline.prefill(chunk_size=...)``), and
+with ``decoding=True`` whenever a layer holds more than ``B + decoding_slack`` tokens (repeated eviction, paper
+Table 2).
+
+Shapes: H query heads, Hkv KV heads, G = H / Hkv, T tokens of the current forward, N candidates (cached entries),
+D head dim, w observation window, E evicted, P = 512 memory features.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core_kv.features import OBS_WINDOW, compute_features, observation_attention
+from core_kv.indexer import CoreModel
+from core_kv.memory import WRITE_RULES, MemoryState, write_weights
+from core_kv.models.attention import apply_rope, prerope_queries
+from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported
+from core_kv.presses.base import BasePress
+from core_kv.teacher.metrics import protected_mask, top_free
+
+ALLOCATIONS = ("indexer", "expected_attention", "keydiff")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The certificate (CORE.md "Certificate"; indexmem_core.md §3.9)
+
+
+def certificate_terms(
+    eps_hat: torch.Tensor, delta: torch.Tensor | float, centroid: torch.Tensor, radius: torch.Tensor, o_r: torch.Tensor
+) -> torch.Tensor:
+    """The four-term pre-compensation bound ``‖o* − o_R‖ ≤ ε̂‖c_E − o_R‖ + ε̂ r_E + δ‖c_E − o_R‖ + δ r_E``.
+
+    From the exact identity ``o* − o_R = α_E (o_E − o_R)`` [paper]: ``‖o_E − o_R‖ ≤ ‖c_E − o_R‖ + r_E`` whenever
+    ``r_E ≥ ‖o_E − c_E‖`` (true for ``r_E = max_{i∈E} ‖v_i − c_E‖``: ``o_E`` is a convex combination of evicted
+    values) and ``α_E ≤ ε̂ + δ`` whenever ``δ ≥ |α_E − ε̂|``. The terms are our reconstruction (CORE.md).
+
+    Args:
+        eps_hat: Predicted evicted mass ε̂ (...).
+        delta: Calibration error bound δ (... or scalar).
+        centroid: Write-weighted evicted centroid c_E (..., D).
+        radius: r_E (...).
+        o_r: Retained output o_R (..., D).
+
+    Returns:
+        The four terms stacked on the last dim (..., 4); their sum is the bound.
+    """
+    gap = (centroid.float() - o_r.float()).norm(dim=-1)
+    delta = torch.as_tensor(delta, dtype=gap.dtype, device=gap.device)
+    eps_hat, radius = eps_hat.to(gap), radius.to(gap)
+    return torch.stack(torch.broadcast_tensors(eps_hat * gap, eps_hat * radius, delta * gap, delta * radius), -1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The press
+
+
+@dataclass
+class CorePress(BasePress, name="core"):
+    """CORE (paper 002; CORE.md "Inference"): learned coverage-calibrated retention + mass-weighted latent memory.
+
+    Build from a trained artifact: ``CorePress.from_pretrained("checkpoints/core-proxy/final", compression_ratio=0.75)``
+    or ``build_press("core", checkpoint=..., compression_ratio=0.75)``. Without a checkpoint only the no-op (ratio 0)
+    is allowed. The artifact is checked against the model when the press is entered (refuses another base model).
+
+    Args:
+        checkpoint: Folder of a :class:`~core_kv.indexer.CoreModel` artifact (``config.json`` + ``model.safetensors``).
+        protected_sinks: First positions always kept (CORE.md: 4).
+        protected_recent: Last positions always kept (the artifact's training default, 32).
+        write_rule: ``mass`` (CORE), ``equal_event`` or ``uniform_token`` (paper Tables 3, 8); ``None`` = the
+            artifact's rule.
+        memory: ``False`` = retention only (no writes, no readout): the "no memory" ablation.
+        calibrated: ``False`` = T = 1 for the mass channel (the "no calibration" ablation; Top-B is unchanged).
+        allocation: ``indexer`` (CORE), or ``expected_attention`` / ``keydiff`` (paper Table 13, ``CORE_EA`` /
+            ``CORE_KeyDiff``): that press's scores choose Top-B and ``p = softmax(standardise(score))`` drives the
+            writes [choice: rank-preserving and scale-free; these scorers have no fitted temperature].
+        budget_matched: Reduce B by the memory state's token-equivalent (state bytes per KV head / bytes of one
+            cached token), so CORE's total bytes match a baseline at the same nominal ratio (CORE.md "Inference").
+        log_certificate: Keep a shadow copy of every evicted K/V (debug; not counted in ``aux_bytes``) and log per
+            (layer, query head) the certificate terms, the true retention error and the compensated error
+            (:attr:`certificates`; paper Tables 6, 8).
+        certificate_delta: δ of the online certificate (paper Table 8 uses δ = 0.05).
+    """
+
+    checkpoint: str | None = None
+    protected_sinks: int = 4
+    protected_recent: int = 32
+    write_rule: str | None = None
+    memory: bool = True
+    calibrated: bool = True
+    allocation: str = "indexer"
+    budget_matched: bool = False
+    log_certificate: bool = False
+    certificate_delta: float = 0.05
+
+    _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
+    _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _checked: set = field(default_factory=set, init=False, repr=False, compare=False)
+    _inner: BasePress | None = field(default=None, init=False, repr=False, compare=False)
+    _rotary: nn.Module | None = field(default=None, init=False, repr=False, compare=False)
+    events: list = field(default_factory=list, init=False, repr=False, compare=False)
+    certificates: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        if self.write_rule is not None and self.write_rule not in WRITE_RULES:
+            raise ValueError(f"write_rule must be one of {WRITE_RULES} or None, got {self.write_rule!r}")
+        if not (isinstance(self.certificate_delta, (int, float)) and self.certificate_delta >= 0):
+            raise ValueError(f"certificate_delta must be >= 0, got {self.certificate_delta!r}")
+        if self.checkpoint is None:
+            if not self.is_noop:
+                raise ValueError(
+                    f"{self.name} needs a trained artifact: pass checkpoint=<folder> (e.g. checkpoints/core-proxy/final) "
+                    "or use CorePress.from_pretrained(path, compression_ratio=...)"
+                )
+        elif self._core is None:
+            path = Path(self.checkpoint)
+            if not (path / "config.json").is_file():
+                raise ValueError(f"{self.name}: no CORE artifact at {path} (expected config.json + model.safetensors)")
+            self._core = CoreModel.from_pretrained(path)
+        if self.allocation == "expected_attention":
+            from core_kv.presses.expected_attention import ExpectedAttentionPress
+
+            self._inner = ExpectedAttentionPress()
+        elif self.allocation == "keydiff":
+            from core_kv.presses.keydiff import KeyDiffPress
+
+            self._inner = KeyDiffPress()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **options) -> CorePress:
+        """Load the artifact at ``path`` (offline) into a press; ``options`` are the press's other fields."""
+        return cls(checkpoint=str(path), **options)
+
+    @property
+    def core(self) -> CoreModel:
+        if self._core is None:
+            raise ValueError(f"{self.name} has no checkpoint")
+        return self._core
+
+    @property
+    def rule(self) -> str:
+        return self.write_rule or self.core.config.write_rule
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Setup
+
+    def on_enter(self, model: nn.Module) -> None:
+        if self.is_noop:
+            return
+        if id(model) not in self._checked:
+            self.core.check_base_model(model)  # FingerprintMismatch (a ValueError) for another base model
+            self._checked.add(id(model))
+        device = next(model.parameters()).device
+        self._core = self.core.to(device)
+        self._rotary = getattr(model, "model", model).rotary_emb
+        if self._inner is not None:
+            self._inner.on_enter(model)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Budget accounting
+
+    def token_equivalent(self, cache_element_size: int) -> int:
+        """Cached tokens one KV head's memory state is worth: ``ceil(state bytes / (2 · D · bytes(dtype)))``."""
+        if not self.memory or self._core is None:
+            return 0
+        c = self.core.config
+        per_head = self.core.memory.state_bytes() // (c.num_layers * c.num_kv_heads)
+        return math.ceil(per_head / (2 * c.head_dim * cache_element_size))
+
+    def event_budget(self, seen: int, cache_element_size: int) -> int:
+        """B at an event after ``seen`` tokens: ``target(seen)`` (replay's ``budget_split``), budget-matched if asked."""
+        b = self.target(seen)
+        if self.budget_matched:
+            b = max(1, b - self.token_equivalent(cache_element_size))
+        return b
+
+    def aux_bytes(self) -> int:
+        """Memory state (fp32, every layer and KV head) + per-entry bookkeeping (positions, persistence, window)."""
+        return sum(self.aux_breakdown().values())
+
+    def aux_breakdown(self) -> dict:
+        """``{"memory_state", "positions", "persistence", "obs_window"}`` bytes currently held."""
+        out = {"memory_state": 0, "positions": 0, "persistence": 0, "obs_window": 0}
+        for st in self._layers.values():
+            if st.get("mem") is not None:
+                out["memory_state"] += st["mem"].nbytes()
+            out["positions"] += st["pos"].numel() * st["pos"].element_size()
+            out["persistence"] += st["persist"].numel() * st["persist"].element_size()
+            if st.get("wq_pre") is not None:
+                out["obs_window"] += sum(t.numel() * t.element_size() for t in (st["wq_pre"], st["wq_post"]))
+        return out
+
+    def memory_state(self, layer: int) -> MemoryState | None:
+        """The latent memory of ``layer`` after the last event (``None`` before any write)."""
+        return self._layers.get(layer, {}).get("mem")
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Hooks
+
+    def _pre_hook(self, module: nn.Module, args, kwargs):
+        super()._pre_hook(module, args, kwargs)
+        if self.is_noop:
+            return
+        idx = module.layer_idx
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        if hs.shape[0] != 1:
+            raise ValueError(f"{self.name} supports batch size 1 (the pipeline's protocol)")
+        cache = cache_from_kwargs(kwargs)
+        layer = cache.layers[idx] if idx < len(cache.layers) else None
+        st = self._layers.get(idx)
+        if st is None or self._state[idx]["empty_before"]:
+            st = self._layers[idx] = self._fresh(module, hs.device)
+        else:
+            if isinstance(layer, RaggedLayer):
+                raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
+            n = layer.keys.shape[2]
+            if st["pos"].shape[1] > n:  # the pipeline trimmed question/answer tokens: forget their entries
+                st["pos"], st["persist"] = st["pos"][:, :n], st["persist"][:, :n]
+        t = hs.shape[1]
+        pid = kwargs.get("position_ids")
+        new_pos = (
+            pid[0].to(hs.device) if pid is not None else torch.arange(st["next"], st["next"] + t, device=hs.device)
+        )
+        q_pre = prerope_queries(module, hs)  # (1, H, T, D)
+        q_post = apply_rope(module, q_pre, kwargs["position_embeddings"])
+        st["fwd"] = {"q_pre": q_pre[0].float(), "q_post": q_post[0].float(), "pos": new_pos, "cache": cache}
+        # observation window: the last OBS_WINDOW queries, across forwards (decode steps included)
+        wq_pre = q_pre[0].float() if st["wq_pre"] is None else torch.cat([st["wq_pre"], q_pre[0].float()], 1)
+        wq_post = q_post[0].float() if st["wq_post"] is None else torch.cat([st["wq_post"], q_post[0].float()], 1)
+        wpos = torch.cat([st["wpos"], new_pos])
+        st["wq_pre"], st["wq_post"], st["wpos"] = wq_pre[:, -OBS_WINDOW:], wq_post[:, -OBS_WINDOW:], wpos[-OBS_WINDOW:]
+
+    def _fresh(self, module: nn.Module, device) -> dict:
+        hkv = module.config.num_key_value_heads
+        return {
+            "pos": torch.empty(hkv, 0, dtype=torch.long, device=device),  # original position of every cached entry
+            "persist": torch.empty(hkv, 0, device=device),  # persistence EMA (feature 2), NaN = new
+            "wq_pre": None,
+            "wq_post": None,
+            "wpos": torch.empty(0, dtype=torch.long, device=device),
+            "next": 0,  # 1 + the last position processed
+            "mem": None,
+            "survive": torch.ones(hkv, device=device),  # Π_e (1 − ε̂_e): 1 − it is the predicted evicted mass
+            "shadow": None,  # (keys, values) of every evicted entry, only with log_certificate
+        }
+
+    def _post_hook(self, module: nn.Module, args, kwargs, output):
+        idx = module.layer_idx
+        st_base = self._state[idx]
+        hs = kwargs.get("hidden_states", args[0] if args else None)
+        st_base["seen"] += hs.shape[1]
+        if self.is_noop:
+            return output
+        st = self._layers[idx]
+        fwd = st.pop("fwd")
+        cache = cache_from_kwargs(kwargs)
+        layer = cache.layers[idx]
+        if isinstance(layer, RaggedLayer):
+            raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
+        hkv, size = layer.keys.shape[1], layer.keys.shape[2]
+        t = hs.shape[1]
+        st["pos"] = torch.cat([st["pos"], fwd["pos"][None].expand(hkv, t)], 1)
+        st["persist"] = torch.cat([st["persist"], st["persist"].new_full((hkv, t), float("nan"))], 1)
+        st["next"] = max(st["next"], int(fwd["pos"].max()) + 1)
+        if st["pos"].shape[1] != size:
+            raise RuntimeError(f"layer {idx}: tracked {st['pos'].shape[1]} cached entries, the cache holds {size}")
+        n_kept = self.event_budget(st["next"], layer.keys.element_size())
+        if self._mode == "prefill" or st_base["empty_before"]:
+            if n_kept >= size:
+                return output
+        elif self.decoding:
+            if size <= n_kept + self.decoding_slack:
+                return output
+        else:
+            return output
+        check_cache_supported(cache)
+        kept = self._event(module, st, layer.keys, layer.values, hs, kwargs, n_kept)
+        self._apply(cache, idx, layer.keys, layer.values, kept[None])
+        return output
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The eviction event
+
+    def unrope(self, module: nn.Module, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE keys (Hkv, N, D) from cached post-RoPE ``keys`` at their original ``positions`` (Hkv, N)."""
+        x = keys.float()[:, None]  # (Hkv, 1, N, D): heads as the batch
+        cos, sin = self._rotary(x, positions)  # (Hkv, N, r)
+        return apply_rope(module, x, (cos.float(), -sin.float()))[:, 0]
+
+    def _features(self, module, st, keys, values, k_pre) -> torch.Tensor:
+        """The 14 features (Hkv, N, F) of every cached entry, as :func:`replay_layer` computes them per head."""
+        idx = module.layer_idx
+        geo = self.core.geometry()
+        hkv, n, d = keys.shape
+        g = st["wq_post"].shape[0] // hkv
+        z = geo.project(idx, k_pre)  # (Hkv, N, d_z)
+        phi = geo.nystrom(idx, z)  # (Hkv, N, M)
+        protos = geo.prototypes[idx].to(z)
+        scaling = float(getattr(module, "scaling", d**-0.5))
+        feats = []
+        for h in range(hkv):
+            c = st["pos"][h]
+            qs = slice(h * g, (h + 1) * g)
+            obs = observation_attention(st["wq_post"][qs][None], keys[h][None], st["wpos"], c, scaling)
+            f, ema = compute_features(
+                obs, st["wq_pre"][qs].reshape(1, -1, d), k_pre[h][None], values[h][None], c, st["next"] - 1,
+                z[h][None], phi[h][None], protos[h][None], st["persist"][h][None],
+            )  # fmt: skip
+            st["persist"][h] = ema[0]
+            feats.append(f[0])
+        return torch.stack(feats)
+
+    @torch.no_grad()
+    def _event(self, module, st, keys, values, hidden_states, kwargs, b: int) -> torch.Tensor:
+        """Score, Top-B, write the evicted entries into the memory; returns kept indices (Hkv, B), sorted."""
+        idx = module.layer_idx
+        k, v = keys[0], values[0]  # (Hkv, N, D)
+        hkv, n, _ = k.shape
+        s = min(self.protected_sinks, b)
+        w = min(self.protected_recent, b - s)
+        prot = protected_mask(n, min(s, n), min(w, max(n - s, 0)), device=k.device)
+        k_pre = self.unrope(module, k, st["pos"])  # (Hkv, N, D)
+        if self.allocation == "indexer":
+            scores = self.core.indexer.scores(idx, self._features(module, st, k.float(), v.float(), k_pre))
+            p = self.core.indexer.distribution(idx, scores, calibrated=self.calibrated)
+        else:
+            scores = self._inner.score(module, hidden_states, keys, values, None, kwargs)[0].float()  # (Hkv, N)
+            std = scores.std(-1, keepdim=True).clamp_min(1e-6)
+            p = ((scores - scores.mean(-1, keepdim=True)) / std).softmax(-1)
+        kept = top_free(scores.float(), prot, b - int(prot.sum()))  # (Hkv, N)
+        evicted = ~kept
+        eps_hat = (p * evicted).sum(-1)  # (Hkv,)
+        n_ev = n - b
+        ev_idx = torch.arange(n, device=k.device).expand(hkv, n)[evicted].view(hkv, n_ev)
+        gather = ev_idx[..., None].expand(-1, -1, k.shape[-1])
+        if self.memory and n_ev > 0:
+            wts = write_weights(p, evicted, self.rule).gather(1, ev_idx)  # (Hkv, E)
+            mem = st["mem"] if st["mem"] is not None else self.core.memory.empty_state(device=k.device)
+            st["mem"] = self.core.memory.write(mem, idx, k_pre.gather(1, gather), v.float().gather(1, gather), wts)
+        st["survive"] = st["survive"] * (1 - eps_hat)
+        if self.log_certificate and n_ev > 0:
+            ek, ev = k.gather(1, gather), v.gather(1, gather)
+            old = st["shadow"]
+            st["shadow"] = (ek, ev) if old is None else (torch.cat([old[0], ek], 1), torch.cat([old[1], ev], 1))
+        self.events.append(
+            {"layer": idx, "t_e": st["next"], "candidates": n, "budget": b, "evicted": n_ev,
+             "eps_hat": eps_hat.tolist(), "Z": None if st["mem"] is None else st["mem"].Z.tolist()}
+        )  # fmt: skip
+        kept_idx = torch.arange(n, device=k.device).expand(hkv, n)[kept].view(hkv, b)
+        st["pos"] = st["pos"].gather(1, kept_idx)
+        st["persist"] = st["persist"].gather(1, kept_idx)
+        return kept_idx
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The readout
+
+    def _retained_lse(self, module, q_post: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Log-partition of each query (H, T) over the cached keys (Hkv, S, D), the T new ones causally."""
+        h, t, d = q_post.shape
+        hkv, s, _ = keys.shape
+        scaling = float(getattr(module, "scaling", d**-0.5))
+        logits = (q_post.view(hkv, h // hkv, t, d) @ keys.float()[:, None].mT) * scaling  # (Hkv, G, T, S)
+        visible = torch.arange(s, device=keys.device)[None] <= (s - t + torch.arange(t, device=keys.device))[:, None]
+        return logits.masked_fill(~visible, float("-inf")).logsumexp(-1).reshape(h, t)
+
+    @torch.no_grad()
+    def readout(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor | None:
+        """``ô = o_R + g (m − o_R)`` per query head before ``o_proj`` once this layer's memory holds writes."""
+        if self.is_noop or not self.memory:
+            return None
+        st = self._layers.get(module.layer_idx)
+        if st is None or st.get("mem") is None or "fwd" not in st:
+            return None
+        fwd = st["fwd"]
+        layer = fwd["cache"].layers[module.layer_idx]
+        q_pre, q_post = fwd["q_pre"], fwd["q_post"]  # (H, T, D)
+        h, t, d = q_pre.shape
+        o_r = attn_output[0].view(t, h, d).transpose(0, 1).float()  # (H, T, D)
+        lse = self._retained_lse(module, q_post, layer.keys[0])
+        o_hat, g = self.core.memory.compensate(st["mem"], module.layer_idx, q_pre, o_r, lse)
+        if self.log_certificate and st["shadow"] is not None:
+            self._log_certificate(module, st, layer, q_post, o_r, o_hat, g, lse)
+        return o_hat.transpose(0, 1).reshape(1, t, h * d).to(attn_output.dtype)
+
+    def _log_certificate(self, module, st, layer, q_post, o_r, o_hat, g, lse_r) -> None:
+        """True retention error vs the four-term bound, per query head (averaged over this forward's queries)."""
+        h, t, d = q_post.shape
+        ek, ev = st["shadow"]  # (Hkv, E, D) post-RoPE keys and values of every evicted entry
+        hkv = ek.shape[0]
+        gq = h // hkv
+        scaling = float(getattr(module, "scaling", d**-0.5))
+        logits_e = (q_post.view(hkv, gq, t, d) @ ek.float()[:, None].mT) * scaling  # (Hkv, G, T, E)
+        lse_e = logits_e.logsumexp(-1).reshape(h, t)
+        lse_all = torch.logaddexp(lse_r, lse_e)
+        alpha = (lse_e - lse_all).exp()  # true evicted mass α_E(q)
+        o_e = (logits_e.softmax(-1) @ ev.float()[:, None]).reshape(h, t, d)
+        o_star = o_r + alpha[..., None] * (o_e - o_r)  # the identity, exact: o* = (S_R o_R + S_E o_E) / S
+        mem = st["mem"]
+        rep = lambda x: x.repeat_interleave(gq, 0)  # noqa: E731  (KV head -> its query heads)
+        eps_hat = rep(1 - st["survive"])[:, None].expand(h, t)
+        c_e = rep(mem.centroid)[:, None].expand(h, t, d)
+        r_exact = rep((ev.float() - mem.centroid[:, None]).norm(dim=-1).amax(-1))[:, None].expand(h, t)
+        ret_err = (o_star - o_r).norm(dim=-1)
+        online = certificate_terms(eps_hat, self.certificate_delta, c_e, rep(mem.radius)[:, None].expand(h, t), o_r)
+        exact = certificate_terms(eps_hat, (alpha - eps_hat).abs(), c_e, r_exact, o_r)
+        o_norm = o_star.norm(dim=-1).clamp_min(1e-12)
+        mean = lambda x: x.mean(-1).tolist()  # noqa: E731  (over queries, per head)
+        self.certificates.append({
+            "layer": module.layer_idx, "queries": t, "events": mem.events,
+            "eps_hat": mean(eps_hat), "alpha": mean(alpha), "gate": mean(g),
+            "ret_err": mean(ret_err), "comp_err": mean((o_star - o_hat).norm(dim=-1)),
+            "ret_err_rel": mean(ret_err / o_norm),
+            "terms": online.mean(1).tolist(), "bound": mean(online.sum(-1)),
+            "bound_exact": mean(exact.sum(-1)), "holds_exact": mean((ret_err <= exact.sum(-1) + 1e-5).float()),
+            "holds": mean((ret_err <= online.sum(-1)).float()),
+        })  # fmt: skip
+
+
+@dataclass
+class CoreEAPress(CorePress, name="core_ea"):
+    """``CORE_EA`` (paper Table 13): ExpectedAttention scores replace the indexer's allocation; memory unchanged."""
+
+    allocation: str = "expected_attention"
+
+
+@dataclass
+class CoreKeyDiffPress(CorePress, name="core_keydiff"):
+    """``CORE_KeyDiff`` (paper Table 13): KeyDiff scores replace the indexer's allocation; memory unchanged."""
+
+    allocation: str = "keydiff"
+
+
+def core_parameter_counts(core: CoreModel) -> dict:
+    """Added parameters (paper Table 18): indexer, memory + gate, and the frozen geometry buffers."""
+    parts = core.num_parameters_by_part()
+    geo = sum(getattr(core, f"geo_{k}").numel() for k in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt"))
+    return {**parts, "geometry_buffers": geo, "total": parts["indexer"] + parts["memory"] + geo}
+
+
+__all__ = ["ALLOCATIONS", "CoreEAPress", "CoreKeyDiffPress", "CorePress", "certificate_terms", "core_parameter_counts"]

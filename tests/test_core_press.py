@@ -1,0 +1,288 @@
+"""The ``core`` press (CORE.md "Inference", "Certificate", "Ablations") on a tiny config-built Llama (4 q / 2 kv heads).
+
+Artifacts are built in the test (untrained indexer and memory on a geometry fitted to the tiny model's keys): the
+press's mechanics do not depend on training, and the tests must run without the shipped checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from core_kv.distill.replay import ReplaySpec, capture, replay_layer
+from core_kv.indexer import CoreConfig, CoreModel
+from core_kv.models.cache import cache_kwarg, kv_bytes, layer_lengths
+from core_kv.pipeline import greedy_answer, prefill
+from core_kv.presses import build_press
+from core_kv.presses.core import CorePress, certificate_terms
+from core_kv.teacher.geometry import FingerprintMismatch, fit_geometry, model_fingerprint
+from tests.conftest import tiny_model
+
+N = 200
+
+
+def ids(n: int = N, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, llama):
+    acts = capture(llama, ids(300, seed=9))
+    geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(llama), d_z=16, num_prototypes=16)
+    core = CoreModel(CoreConfig.for_model(llama, geo))
+    core.set_geometry(geo)
+    core.indexer.temperature.fill_(1.5)
+    path = tmp_path_factory.mktemp("core") / "final"
+    core.save_pretrained(path)
+    return core, path
+
+
+def press_for(path, **options) -> CorePress:
+    return CorePress.from_pretrained(path, **options)
+
+
+def logits_after(model, press, ctx, question, chunk_size=None):
+    """Logits of the question tokens fed on top of the (compressed) context."""
+    cache = prefill(model, ctx, press, chunk_size)
+    pos = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
+    with torch.inference_mode(), press(model) if press is not None else _null():
+        out = model(input_ids=question, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
+    return out.logits
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Artifact
+
+
+def test_artifact_round_trip_and_registry(artifact):
+    core, path = artifact
+    press = press_for(path, compression_ratio=0.5)
+    for k, v in core.state_dict().items():
+        torch.testing.assert_close(press.core.state_dict()[k], v, rtol=0, atol=0)
+    same = build_press("core", checkpoint=str(path), compression_ratio=0.5)
+    assert same.core.config.fingerprint == core.config.fingerprint
+    json.dumps(press.config_dict())  # results folders record the options
+    assert build_press("core_ea", checkpoint=str(path), compression_ratio=0.5).allocation == "expected_attention"
+    assert build_press("core_keydiff", checkpoint=str(path), compression_ratio=0.5).allocation == "keydiff"
+
+
+def test_refuses_artifact_for_another_model_and_missing_checkpoint(artifact, tmp_path):
+    _, path = artifact
+    press = press_for(path, compression_ratio=0.5)
+    with pytest.raises(FingerprintMismatch):
+        prefill(tiny_model("llama", seed=5), ids(), press)
+    with pytest.raises(ValueError, match="checkpoint"):
+        build_press("core", compression_ratio=0.5)
+    with pytest.raises(ValueError, match="no CORE artifact"):
+        build_press("core", checkpoint=str(tmp_path), compression_ratio=0.5)
+    with pytest.raises(ValueError, match="allocation"):
+        build_press("core", checkpoint=str(path), compression_ratio=0.5, allocation="h2o")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Budgets and the memory path
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_exact_budgets_with_memory_on(artifact, llama, chunk):
+    _, path = artifact
+    press = press_for(path, compression_ratio=0.5)
+    cache = prefill(llama, ids(), press, chunk_size=chunk)
+    assert kv_bytes(cache)["tokens_per_head"] == [[100, 100]] * 2
+    for layer in range(2):
+        assert press.memory_state(layer).Z.gt(0).all()
+    assert press.aux_breakdown()["memory_state"] == press.core.memory.state_bytes()
+    answer = greedy_answer(llama, cache, N, ids(6, seed=2), 4, press, eos_token_ids=[])
+    assert len(answer) == 4
+    assert kv_bytes(cache)["tokens_per_head"] == [[100, 100]] * 2  # question trimmed, tracking re-synced
+
+
+def test_budget_matched_reduces_b_by_the_memory_token_equivalent(artifact, llama):
+    _, path = artifact
+    press = press_for(path, budget=400, budget_matched=True)
+    eq = press.token_equivalent(4)  # fp32 cache: (512·16 + 512 + 1 + 16 + 1) · 4 B / (2 · 16 · 4 B)
+    assert eq == -(-(512 * 16 + 512 + 18) * 4 // (2 * 16 * 4))
+    cache = prefill(llama, ids(), press)
+    assert kv_bytes(cache)["tokens_per_head"] == [[max(1, N - eq)] * 2] * 2  # the memory outweighs 200 tokens here
+    assert press_for(path, budget=400, budget_matched=True, memory=False).token_equivalent(4) == 0
+
+
+def test_ratio_zero_equals_uncompressed(artifact, llama):
+    _, path = artifact
+    ctx, q = ids(120), ids(6, seed=2)
+    ref = logits_after(llama, None, ctx, q)
+    torch.testing.assert_close(logits_after(llama, press_for(path), ctx, q), ref, rtol=0, atol=0)
+    cache = prefill(llama, ctx, None)
+    want = greedy_answer(llama, cache, 120, q, 5, None, eos_token_ids=[])
+    press = press_for(path)
+    assert greedy_answer(llama, prefill(llama, ctx, press), 120, q, 5, press, eos_token_ids=[]) == want
+
+
+def test_empty_memory_and_closed_gate_leave_outputs_unchanged(artifact, llama):
+    _, path = artifact
+    ctx, q = ids(), ids(6, seed=2)
+    # one-shot prefill: the memory is empty during the only forward, so its logits are the full model's
+    press = press_for(path, compression_ratio=0.75)
+    cache = DynamicCache()
+    with torch.inference_mode(), press(llama):
+        out = llama(input_ids=ctx, use_cache=True, **{cache_kwarg(llama): cache})
+    with torch.inference_mode():
+        ref = llama(input_ids=ctx).logits
+    torch.testing.assert_close(out.logits, ref)
+    # gate 0 (bias -1e4): the compensated path equals retention only, on the same retained sets
+    closed = press_for(path, compression_ratio=0.75)
+    closed.core.memory.gate_b.data.fill_(-1e4)
+    none = press_for(path, compression_ratio=0.75, memory=False)
+    for chunk in (None, 64):
+        torch.testing.assert_close(logits_after(llama, closed, ctx, q, chunk), logits_after(llama, none, ctx, q, chunk))
+    # and an open gate does change them
+    opened = press_for(path, compression_ratio=0.75)
+    opened.core.memory.gate_b.data.fill_(3.0)
+    assert not torch.allclose(logits_after(llama, opened, ctx, q), logits_after(llama, none, ctx, q))
+
+
+@pytest.mark.parametrize("rule", ["mass", "equal_event", "uniform_token"])
+def test_write_rule_bookkeeping(artifact, llama, rule):
+    _, path = artifact
+    press = press_for(path, compression_ratio=0.5, write_rule=rule)
+    prefill(llama, ids(), press)  # one event per layer
+    assert [e["layer"] for e in press.events] == [0, 1]
+    for e in press.events:
+        z = press.memory_state(e["layer"]).Z
+        want = {
+            "mass": torch.tensor(e["eps_hat"]),
+            "equal_event": torch.ones(2),
+            "uniform_token": torch.full((2,), 100.0),
+        }
+        torch.testing.assert_close(z, want[rule], rtol=1e-5, atol=1e-6)
+
+
+def test_repeated_eviction_never_exceeds_budget_plus_slack(artifact):
+    _, path = artifact
+    model = tiny_model("qwen3")
+    acts = capture(model, ids(300, seed=9))
+    geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(model), d_z=16, num_prototypes=16)
+    core = CoreModel(CoreConfig.for_model(model, geo))
+    core.set_geometry(geo)
+    core.save_pretrained(path.parent / "qwen3")
+    budget, slack = 40, 8
+    press = press_for(path.parent / "qwen3", budget=budget, decoding=True, decoding_slack=slack)
+    cache = DynamicCache()
+    key = cache_kwarg(model)
+    with torch.inference_mode(), press(model):
+        model(input_ids=ids(100), use_cache=True, **{key: cache})
+        assert all(layer_lengths(layer).tolist() == [budget] * 2 for layer in cache.layers)
+        token = ids(1, seed=4)
+        for step in range(30):
+            out = model(input_ids=token, position_ids=torch.tensor([[100 + step]]), use_cache=True, **{key: cache})
+            token = out.logits[:, -1:].argmax(-1)
+            for layer in cache.layers:
+                assert int(layer_lengths(layer).max()) <= budget + slack, step
+    assert press.memory_state(0).events == 1 + 30 // (slack + 1)  # prefill + one per 9 decode steps
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Same computation as training's replay
+
+
+def test_layer0_retained_sets_match_replay(artifact, llama):
+    core, path = artifact
+    press = press_for(path, compression_ratio=0.5)
+    kept: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    event = press._event
+
+    def recording(module, st, *args):
+        out = event(module, st, *args)
+        kept[module.layer_idx].append(st["pos"].clone())
+        return out
+
+    press._event = recording
+    ctx = ids()
+    prefill(llama, ctx, press, chunk_size=64)
+    spec = ReplaySpec(chunk_size=64, ratio=0.5, protected_sinks=4, protected_recent=32, policy="student",
+                      targets=False, utility=False)  # fmt: skip
+    acts = capture(llama, ctx)
+    events = replay_layer(acts[0], 0, [64, 128, 192], None, core.geometry(), spec, core.indexer.scores)
+    for ev, mine in zip(events, kept[0], strict=False):
+        theirs = ev.cand[ev.kept].view(2, -1)
+        assert torch.equal(theirs, mine), (ev.t_e, theirs, mine)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Ablations and the certificate
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"allocation": "expected_attention"},
+        {"allocation": "keydiff"},
+        {"memory": False},
+        {"calibrated": False},
+        {"write_rule": "equal_event"},
+        {"write_rule": "uniform_token"},
+    ],  # fmt: skip
+    ids=["ea", "keydiff", "no_memory", "no_calibration", "equal_event", "uniform_token"],
+)
+def test_ablations_keep_the_budget(artifact, llama, options):
+    _, path = artifact
+    press = press_for(path, compression_ratio=0.75, **options)
+    cache = prefill(llama, ids(), press, chunk_size=64)
+    assert kv_bytes(cache)["tokens_per_head"] == [[50, 50]] * 2
+    assert (press.memory_state(0) is None) == (options == {"memory": False})
+    assert len(greedy_answer(llama, cache, N, ids(4, seed=3), 2, press, eos_token_ids=[])) == 2
+
+
+def test_calibration_changes_mass_not_retention(artifact, llama):
+    _, path = artifact
+    runs = {}
+    for calibrated in (True, False):
+        press = press_for(path, compression_ratio=0.5, calibrated=calibrated)
+        cache = prefill(llama, ids(), press, chunk_size=64)
+        runs[calibrated] = (kv_bytes(cache), [e["eps_hat"] for e in press.events])
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] != runs[False][1]
+
+
+def test_certificate_bound_holds_on_random_tensors():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n, d = 40, 8
+        q, k, v = torch.randn(d, generator=g), torch.randn(n, d, generator=g) * 2, torch.randn(n, d, generator=g)
+        evicted = torch.rand(n, generator=g) < 0.6
+        a = (k @ q).softmax(0)
+        alpha = a[evicted].sum()
+        o_star, o_r = a @ v, (a * ~evicted / a[~evicted].sum()) @ v
+        o_e = (a * evicted / alpha) @ v
+        torch.testing.assert_close(o_star - o_r, alpha * (o_e - o_r))  # the exact identity
+        w = torch.rand(n, generator=g) * evicted
+        c_e = (w @ v) / w.sum()
+        r_e = (v[evicted] - c_e).norm(dim=-1).max()
+        eps_hat = torch.rand((), generator=g)
+        bound = certificate_terms(eps_hat, (alpha - eps_hat).abs(), c_e, r_e, o_r).sum(-1)
+        assert (o_star - o_r).norm() <= bound + 1e-6
+
+
+def test_certificate_logged_per_head_and_exact_bound_holds(artifact, llama):
+    _, path = artifact
+    press = press_for(path, compression_ratio=0.75, log_certificate=True)
+    cache = prefill(llama, ids(), press, chunk_size=64)
+    greedy_answer(llama, cache, N, ids(6, seed=2), 3, press, eos_token_ids=[])
+    rows = press.certificates
+    assert rows and {r["layer"] for r in rows} == {0, 1}
+    for r in rows:
+        assert len(r["ret_err"]) == 4 and len(r["terms"]) == 4 and len(r["terms"][0]) == 4
+        assert min(r["holds_exact"]) == 1.0
+        assert all(0 <= a <= 1 for a in r["alpha"])
+    assert press.aux_breakdown()["memory_state"] == press.core.memory.state_bytes()  # the shadow is not counted
