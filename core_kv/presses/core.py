@@ -112,6 +112,8 @@ class CorePress(BasePress, name="core"):
             (layer, query head) the certificate terms, the true retention error and the compensated error
             (:attr:`certificates`; paper Tables 6, 8).
         certificate_delta: δ of the online certificate (paper Table 8 uses δ = 0.05).
+        write_noise: Perturb each event's write weights by ``(1 + write_noise · ξ_e)``, ``ξ_e = ±1`` seeded per
+            (layer, event): the mass perturbation of paper Table 8's ``G^(δ)`` (0 = off).
     """
 
     checkpoint: str | None = None
@@ -124,6 +126,7 @@ class CorePress(BasePress, name="core"):
     budget_matched: bool = False
     log_certificate: bool = False
     certificate_delta: float = 0.05
+    write_noise: float = 0.0
 
     _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -141,6 +144,8 @@ class CorePress(BasePress, name="core"):
             raise ValueError(f"write_rule must be one of {WRITE_RULES} or None, got {self.write_rule!r}")
         if not (isinstance(self.certificate_delta, (int, float)) and self.certificate_delta >= 0):
             raise ValueError(f"certificate_delta must be >= 0, got {self.certificate_delta!r}")
+        if not (isinstance(self.write_noise, (int, float)) and 0 <= self.write_noise < 1):
+            raise ValueError(f"write_noise must be in [0, 1), got {self.write_noise!r}")
         if self.checkpoint is None:
             if not self.is_noop:
                 raise ValueError(
@@ -371,6 +376,13 @@ class CorePress(BasePress, name="core"):
         if self.memory and n_ev > 0:
             wts = write_weights(p, evicted, self.rule).gather(1, ev_idx)  # (Hkv, E)
             mem = st["mem"] if st["mem"] is not None else self.core.memory.empty_state(device=k.device)
+            if self.write_noise:
+                sign = (
+                    1.0
+                    if torch.rand((), generator=torch.Generator().manual_seed(1000 * idx + mem.events)) < 0.5
+                    else -1.0
+                )
+                wts = wts * (1 + self.write_noise * sign)
             st["mem"] = self.core.memory.write(mem, idx, k_pre.gather(1, gather), v.float().gather(1, gather), wts)
         st["survive"] = st["survive"] * (1 - eps_hat)
         if self.log_certificate and n_ev > 0:
@@ -445,7 +457,8 @@ class CorePress(BasePress, name="core"):
             "eps_hat": mean(eps_hat), "alpha": mean(alpha), "gate": mean(g),
             "ret_err": mean(ret_err), "comp_err": mean((o_star - o_hat).norm(dim=-1)),
             "ret_err_rel": mean(ret_err / o_norm),
-            "terms": online.mean(1).tolist(), "bound": mean(online.sum(-1)),
+            "terms": online.mean(1).tolist(), "bound": mean(online.sum(-1)), "bound_rel": mean(online.sum(-1) / o_norm),
+            "comp_gain": mean(1 - (o_star - o_hat).norm(dim=-1) / ret_err.clamp_min(1e-12)),
             "bound_exact": mean(exact.sum(-1)), "holds_exact": mean((ret_err <= exact.sum(-1) + 1e-5).float()),
             "holds": mean((ret_err <= online.sum(-1)).float()),
         })  # fmt: skip

@@ -1,0 +1,182 @@
+"""CORE's costs (paper Tables 18–19; CORE.md "Costs"): added parameters, auxiliary state, prefill and decode time.
+
+Measured side by side in one process: no compression, SnapKV and CORE, at 1k–8k context tokens and one
+compression ratio (default 75%, the paper's Table 19 setting), for one-shot prefill and chunked prefill (512), plus
+the per-token decode time on the compressed cache (32 greedy steps; CORE pays the memory readout on every step).
+Time is the median CPU time over ``--repeats`` rounds with the method order rotating (one thread; CPU time rather
+than wall time because the host is shared). Reported as ratios to no compression and to SnapKV, next to each
+method's KV payload and auxiliary bytes.
+
+The model is a random-weight Llama built from config (4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64,
+the shapes of ``benchmarks/twinkv_cost.py``) with an untrained CORE artifact fitted to it (cost depends on shapes,
+not weights); ``--model``/``--checkpoint`` measure a real model and artifact instead. Usage::
+
+    .venv/bin/python benchmarks/core_cost.py --lengths 1024 2048 4096 8192 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODEL = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16384,
+)
+DECODE_STEPS = 32
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="sdpa")).eval()
+
+
+def build_artifact(model, folder: Path) -> Path:
+    """An untrained CORE artifact for ``model``: geometry fitted to its keys on random tokens, default MLPs."""
+    from core_kv.distill.replay import capture
+    from core_kv.indexer import CoreConfig, CoreModel
+    from core_kv.teacher.geometry import fit_geometry, model_fingerprint
+
+    ids = torch.randint(3, model.config.vocab_size, (1, 1024), generator=torch.Generator().manual_seed(0))
+    acts = capture(model, ids)
+    d = acts[0].k_pre.shape[-1]
+    geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(model), d_z=min(64, d), num_prototypes=64)
+    core = CoreModel(CoreConfig.for_model(model, geo))
+    core.set_geometry(geo)
+    core.save_pretrained(folder)
+    return folder
+
+
+def presses(checkpoint: Path, ratio: float) -> dict:
+    from core_kv.presses import build_press
+
+    return {
+        "none": None,
+        "snapkv": build_press("snapkv", compression_ratio=ratio),
+        "core": build_press("core", checkpoint=str(checkpoint), compression_ratio=ratio),
+    }
+
+
+def cpu_seconds(fn) -> float:
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def measure(model, methods: dict, n: int, chunk: int | None, repeats: int) -> dict:
+    """Median CPU seconds of prefill and of one decode step per method, plus bytes, at context ``n``."""
+    from core_kv.models.cache import kv_bytes
+    from core_kv.pipeline import greedy_answer, prefill
+
+    ctx = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+    question = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    names = list(methods)
+    times = {m: {"prefill": [], "decode": []} for m in names}
+    info = {}
+    for r in range(repeats + 1):  # round 0 primes (allocations, first-call overheads) and is dropped
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for m in order:
+            press = methods[m]
+            box = {}
+            t_pre = cpu_seconds(lambda: box.setdefault("cache", prefill(model, ctx, press, chunk)))  # noqa: B023
+            cache = box["cache"]
+            t_dec = cpu_seconds(
+                lambda: greedy_answer(model, cache, n, question, DECODE_STEPS, press, eos_token_ids=[])  # noqa: B023
+            )
+            if r:
+                times[m]["prefill"].append(t_pre)
+                times[m]["decode"].append(t_dec / (question.shape[1] + DECODE_STEPS - 1))
+            info[m] = {"kv_bytes": kv_bytes(cache)["total"], "aux_bytes": press.aux_bytes() if press else 0}
+    return {m: {k: statistics.median(v) for k, v in times[m].items()} | info[m] for m in names}
+
+
+def table(results: dict, lengths: list[int]) -> str:
+    rows = [
+        "| prefill | context | method | prefill s | decode ms/token | prefill ÷ none | prefill ÷ snapkv | "
+        "decode ÷ none | decode ÷ snapkv | KV bytes | aux bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, per_len in results.items():
+        for n in lengths:
+            r = per_len[str(n)]
+            for m, v in r.items():
+                rows.append(
+                    f"| {mode} | {n} | {m} | {v['prefill']:.3f} | {1e3 * v['decode']:.2f} | "
+                    f"{v['prefill'] / r['none']['prefill']:.3f} | {v['prefill'] / r['snapkv']['prefill']:.3f} | "
+                    f"{v['decode'] / r['none']['decode']:.3f} | {v['decode'] / r['snapkv']['decode']:.3f} | "
+                    f"{v['kv_bytes']:,} | {v['aux_bytes']:,} |"
+                )
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--ratio", type=float, default=0.75)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default=None, help="a local model folder (default: the config-built Llama)")
+    ap.add_argument("--checkpoint", default=None, help="a CORE artifact for --model (default: untrained, fitted)")
+    ap.add_argument("--out", default=None, help="write the results JSON here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from core_kv.presses.core import core_parameter_counts
+
+    if args.model:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
+    else:
+        model = build_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core")
+        methods = presses(ckpt, args.ratio)
+        core = methods["core"].core
+        params = core_parameter_counts(core)
+        base_params = sum(p.numel() for p in model.parameters())
+        results = {}
+        for mode, chunk in (("one-shot", None), (f"chunked {args.chunk}", args.chunk)):
+            results[mode] = {}
+            for n in args.lengths:
+                results[mode][str(n)] = measure(model, methods, n, chunk, args.repeats)
+                print(f"[core_cost] {mode} {n}: {json.dumps(results[mode][str(n)])}", flush=True)
+        equiv = methods["core"].token_equivalent(next(model.parameters()).element_size())
+    summary = {
+        "ratio": args.ratio,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "decode_steps": DECODE_STEPS,
+        "model": args.model or MODEL,
+        "base_parameters": base_params,
+        "core_parameters": params,
+        "core_parameters_share": params["total"] / base_params,
+        "memory_state_bytes": core.memory.state_bytes(),
+        "memory_token_equivalent_per_head": equiv,
+        "results": results,
+    }
+    print(
+        f"\nAdded parameters: {params} ({100 * summary['core_parameters_share']:.2f}% of {base_params:,}); "
+        f"memory state {summary['memory_state_bytes']:,} B = {equiv} cached tokens per KV head\n"
+    )
+    print(table(results, args.lengths))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
