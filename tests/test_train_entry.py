@@ -136,27 +136,31 @@ def test_gradient_accumulation_invariance(tmp_path, teacher_dir):
     assert_same(weights(a), weights(b), atol=2e-4)
 
 
-def _two_process_main(args):
-    from accelerate.state import AcceleratorState, GradientState
+def _free_port() -> int:
+    import socket
 
-    # the forked ranks inherit this pytest process's single-process Accelerate singletons: start them afresh
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    import train
-
-    train.main(args)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-@pytest.mark.skipif(os.name != "posix", reason="fork-based debug_launcher")
+@pytest.mark.skipif(os.name != "posix", reason="accelerate launch with gloo on POSIX")
 def test_two_processes_match_one(tmp_path, teacher_dir):
-    from accelerate import debug_launcher
+    """Two real gloo ranks through the CLI (env.md §5 flags) give the weights of one process with micro-batch 2."""
+    import json
+    import subprocess
+    import sys
 
     one, two = tmp_path / "one", tmp_path / "two"
     run(tiny_args(one, teacher_dir, "micro_batch=2", "indexer.records_per_micro=4"))
-    debug_launcher(
-        lambda: _two_process_main(tiny_args(two, teacher_dir, "indexer.records_per_micro=2")), num_processes=2
-    )
-    summary = __import__("json").loads((two / "summary.json").read_text())
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--num_cpu_threads_per_process", "1", "--main_process_port", str(_free_port()),
+           str(ROOT / "train.py"), *tiny_args(two, teacher_dir, "indexer.records_per_micro=2")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((two / "summary.json").read_text())
     assert summary["num_processes"] == 2 and summary["docs_per_step"] == 2
     assert_same(weights(one), weights(two), atol=2e-4)
 

@@ -82,10 +82,13 @@ def fit_temperature(
     if not scores:
         return 1.0, {"before": float("nan"), "after": float("nan"), "n": 0}
     target = _logit(torch.cat([a.reshape(-1) for a in alpha]))
+    n_max = max(s.shape[-1] for s in scores)
+    pad = lambda x, v: F.pad(x.reshape(-1, x.shape[-1]), (0, n_max - x.shape[-1]), value=v)  # noqa: E731
+    s_all = torch.cat([pad(s.float(), float("-inf")) for s in scores])  # (rows, N_max), padding never wins
+    e_all = torch.cat([pad(e.float(), 0.0) for e in evicted])
 
     def eps_at(log_t: float) -> torch.Tensor:
-        t = math.exp(log_t)
-        return torch.cat([excluded_mass(s, e, t).reshape(-1) for s, e in zip(scores, evicted, strict=True)])
+        return ((s_all / math.exp(log_t)).softmax(-1) * e_all).sum(-1)
 
     def loss(log_t: float) -> float:
         return float((_logit(eps_at(log_t)) - target).pow(2).sum())
