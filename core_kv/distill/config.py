@@ -14,12 +14,17 @@ from core_kv.teacher.run import DataSpec, ModelSpec, TeacherConfig
 
 
 def _proxy_teacher() -> TeacherConfig:
-    """The proxy teacher run the default training builds or reuses [choice: 1.5–2k-token documents, chunk 256]."""
+    """The proxy teacher run the default training builds or reuses: the values of ``configs/teacher/default.yaml``
+    (16 documents of 1.5–2k tokens, chunk 512, λ = 2, R0 = 8, ratios 0.75/0.9), so both entry points share data."""
     return TeacherConfig(
         out_dir="runs/teacher/proxy",
         model=ModelSpec(path="checkpoints/proxy-lm"),
-        data=DataSpec(source="proxy", num_docs=16, calib_docs=8, min_len=1024, max_len=2048),
-        chunk_size=256,
+        data=DataSpec(source="proxy", num_docs=16, calib_docs=8, min_len=1536, max_len=2048),
+        chunk_size=512,
+        lam=2.0,
+        steps=8,
+        ref_steps=16,
+        eta="auto",
         ratios=[0.75, 0.9],
         progress=True,
     )
