@@ -75,8 +75,17 @@ def teacher_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, teacher_dir) -> Path:
+    """The uninterrupted run; it also logs to W&B in offline mode (no login, no network)."""
     out = tmp_path_factory.mktemp("ref")
-    run(tiny_args(out, teacher_dir))
+    wandb_dir = tmp_path_factory.mktemp("wandb")
+    old = {k: os.environ.get(k) for k in ("WANDB_MODE", "WANDB_DIR", "WANDB_SILENT")}
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), WANDB_SILENT="true")
+    try:
+        run(tiny_args(out, teacher_dir, "wandb=true", "wandb_mode=offline"))
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert list(wandb_dir.glob("wandb/offline-run-*")), "no offline W&B run written"
     return out
 
 
