@@ -11,6 +11,7 @@ Run folder ``cfg.out_dir``::
                                  and renamed (atomic); the last ``keep_last`` are kept
     stages/<stage>.safetensors   weights of a finished stage (a rerun skips it)
     stages/calibration.json      temperatures and calibration errors
+    run.json                     base-model fingerprint + config hash; a different one restarts the folder afresh
     final/                       the artifact: config.json + model.safetensors (CoreModel.from_pretrained)
     summary.json, config.yaml    the final report and the resolved config
 
@@ -45,7 +46,7 @@ from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
 from core_kv.memory import write_weights
 from core_kv.teacher.coverage import normalised_beta_b
-from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch
+from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
 from core_kv.teacher.metrics import budget_split, greedy_select, protected_mask, set_quality, top_free
 from core_kv.teacher.run import load_model, make_docs, run_teacher
 
@@ -116,19 +117,33 @@ class Trainer:
         if self.main:
             tqdm.write(" ".join(str(x) for x in a))
 
-    def setup(self) -> None:
+    def load_base(self) -> dict:
+        """Load the frozen base model (and tokenizer); returns its fingerprint."""
         cfg, acc = self.cfg, self.acc
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         from accelerate.utils import set_seed
 
+        from core_kv.teacher.geometry import model_fingerprint
+
         set_seed(cfg.seed)
         self.model, self.tok = load_model(cfg.teacher.model, acc.device)
         for p in self.model.parameters():
             p.requires_grad_(False)
-        from core_kv.teacher.geometry import model_fingerprint
+        self.fingerprint = model_fingerprint(self.model)
+        return self.fingerprint
 
-        fp = model_fingerprint(self.model)
+    def run_key(self) -> dict:
+        """What the run folder's contents depend on: base model + every training-relevant option."""
+        skip = {"out_dir", "progress", "threads", "stop_after", "overwrite", "wandb", "wandb_project", "wandb_mode",
+                "save_every", "keep_last", "build_teacher"}  # fmt: skip
+        resolved = {k: v for k, v in to_dict(self.cfg).items() if k not in skip}
+        resolved["teacher"] = self.cfg.teacher.teacher_params() | {"data": to_dict(self.cfg.teacher.data)}
+        return {"fingerprint": self.fingerprint, "config_hash": config_hash(resolved)}
+
+    def setup(self) -> None:
+        cfg, acc = self.cfg, self.acc
+        fp = self.fingerprint
         params = cfg.teacher.teacher_params()
         try:
             self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params)
@@ -598,14 +613,24 @@ def train(cfg) -> dict:
     tr = Trainer(cfg)
     final = tr.out / "final"
     try:
-        if (final / "config.json").is_file() and (tr.out / "summary.json").is_file() and not cfg.overwrite:
-            summary = json.loads((tr.out / "summary.json").read_text())
-            tr.print(f"{final} exists (overwrite=true to retrain)")
-            tr.print(format_summary(summary))
-            return summary
-        if cfg.overwrite and tr.main:
-            for sub in ("state", "stages", "final"):
-                shutil.rmtree(tr.out / sub, ignore_errors=True)
+        tr.load_base()
+        key, key_path = tr.run_key(), tr.out / "run.json"
+        stored = json.loads(key_path.read_text()) if key_path.is_file() else None
+        if stored == key and (final / "config.json").is_file() and (tr.out / "summary.json").is_file():
+            if not cfg.overwrite:
+                summary = json.loads((tr.out / "summary.json").read_text())
+                tr.print(f"{final} exists for this base model and config (overwrite=true to retrain)")
+                tr.print(format_summary(summary))
+                return summary
+        stale = stored is not None and stored != key
+        if tr.main and (cfg.overwrite or stale):
+            if stale:
+                tr.print(f"{tr.out} holds a run for another base model or config: starting afresh")
+            for sub in ("state", "stages", "final", "summary.json"):
+                p = tr.out / sub
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if tr.main:
+            atomic_write_json(key_path, key)
         tr.acc.wait_for_everyone()
         tr.setup()
         tr.stage_indexer()
@@ -616,7 +641,6 @@ def train(cfg) -> dict:
             "eval": ev,
             "calibration": calib,
             "timing": tr.timing(),
-            "teacher_metrics": tr.ds.manifest.get("metrics"),
             "teacher_table7": _teacher_table7(tr.ds),
             "parameters": tr.core.num_parameters_by_part(),
             "memory_state_bytes": tr.core.memory.state_bytes(),
