@@ -48,7 +48,7 @@ def future_utility(
         q = queries[:, :, s : s + block].float()  # (Hkv, G, b, D)
         logits = (q @ kf[:, None].mT) * scaling  # (Hkv, G, b, K)
         mask = key_pos[None, :] > query_pos[s : s + block, None].to(keys.device)  # (b, K)
-        probs = logits.masked_fill(mask, float("-inf")).softmax(-1)[..., :num_candidates]
+        probs = logits.masked_fill_(mask, float("-inf")).softmax(-1)[..., :num_candidates]
         u += torch.einsum("hgbn,b->hn", probs, query_weights[s : s + block]) / g
     return u
 
