@@ -167,6 +167,10 @@ class Event:
     def evicts(self) -> bool:
         return bool((~self.kept).any())
 
+    def evicted_positions(self) -> torch.Tensor:
+        """Positions evicted at this event, (Hkv, E) (every head evicts the same count)."""
+        return self.cand[~self.kept].view(self.cand.shape[0], -1)
+
 
 def replay_layer(
     acts: LayerActs,

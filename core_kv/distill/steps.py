@@ -169,9 +169,10 @@ class MemoryStep(nn.Module):
                     if ev.evicts:
                         with torch.no_grad():
                             p = idx.distribution(layer, ev.scores)
-                        w = write_weights(p, ~ev.kept, self.write_rule)
-                        heads = torch.arange(ev.cand.shape[0], device=ev.cand.device)[:, None]
-                        state = self.memory.write(state, layer, a.k_pre[heads, ev.cand], a.v[heads, ev.cand], w)
+                        hkv = ev.cand.shape[0]
+                        w = write_weights(p, ~ev.kept, self.write_rule)[~ev.kept].view(hkv, -1)  # (Hkv, E)
+                        pos, heads = ev.evicted_positions(), torch.arange(hkv, device=ev.cand.device)[:, None]
+                        state = self.memory.write(state, layer, a.k_pre[heads, pos], a.v[heads, pos], w)
                     if state.events == 0 or ev.end <= ev.t_e:
                         continue
                     seg = segment_attention(a, ev)

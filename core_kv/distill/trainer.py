@@ -127,7 +127,18 @@ class Trainer:
         from core_kv.teacher.geometry import model_fingerprint
 
         set_seed(cfg.seed)
-        self.model, self.tok = load_model(cfg.teacher.model, acc.device)
+        spec = cfg.teacher.model
+        if (
+            not spec.random_init
+            and spec.path.startswith(("checkpoints/", "runs/", ".", "/"))
+            and not Path(spec.path).exists()
+        ):
+            raise FileNotFoundError(
+                f"base model folder {spec.path!r} not found: build the proxy LM first "
+                "(python -m core_kv.models.train_proxy --config configs/proxy/default.yaml, then mode=export) "
+                "or pass teacher.model.path=<HF folder or hub id>"
+            )
+        self.model, self.tok = load_model(spec, acc.device)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.fingerprint = model_fingerprint(self.model)
@@ -435,7 +446,8 @@ class Trainer:
                 with ctx.timer("memory"):
                     if ev.evicts:
                         w = write_weights(idx.distribution(layer, ev.scores), ~ev.kept, self.cfg.write_rule)
-                        state = mem.write(state, layer, a.k_pre[heads, ev.cand], a.v[heads, ev.cand], w)
+                        pos = ev.evicted_positions()
+                        state = mem.write(state, layer, a.k_pre[heads, pos], a.v[heads, pos], w[~ev.kept].view_as(pos))
                     mem.compensate(state, layer, seg["q_pre"], seg["o_ret"], seg["lse_ret"])
 
     def timing(self) -> dict:
@@ -473,6 +485,7 @@ class Trainer:
 
             atomic_write_text(self.out / "config.yaml", OmegaConf.to_yaml(to_dict(cfg)))
             atomic_write_json(self.out / "summary.json", summary)
+            atomic_write_text(self.out / "report.md", markdown_report(summary))
         acc.wait_for_everyone()
         return final
 
@@ -601,6 +614,41 @@ def format_summary(summary: dict) -> str:
         )
     lines.append(f"  artifact: {summary['artifact']}  ({summary['wall_s']:.0f} s)")
     return "\n".join(lines)
+
+
+def markdown_report(summary: dict) -> str:
+    """The summary as the markdown tables of ``docs/results.md`` (also written to ``<out_dir>/report.md``)."""
+    ev, lines = summary["eval"], []
+    lines += ["| ratio | candidates | KL(p* ‖ softmax s) | Top-B overlap (free picks) |", "|---|---|---|---|"]
+    for tag, r in ev.items():
+        for pol, name in (("student", "student's own retained sets"), ("full", "full cache (teacher protocol)")):
+            lines.append(f"| {tag[1:]}% | {name} | {r[f'kl_{pol}_candidates']:.4f} | "
+                         f"{100 * r[f'topb_overlap_{pol}_candidates']:.1f}% |")  # fmt: skip
+    lines += ["", "| ratio | selector | U_B | C_B | J_B | J_B / teacher |", "|---|---|---|---|---|---|"]
+    for tag, r in ev.items():
+        t7 = r["table7"]
+        ref = t7.get("teacher", {}).get("J_B", float("nan"))
+        for name in ("utility", "student", "teacher", "greedy"):
+            if name in t7:
+                v = t7[name]
+                lines.append(f"| {tag[1:]}% | {name} | {v['U_B']:.4f} | {v['C_B']:.4f} | {v['J_B']:.4f} | "
+                             f"{100 * v['J_B'] / ref:.2f}% |")  # fmt: skip
+    cal = summary["calibration"]
+    lines += ["", f"Temperatures T_l: {', '.join(f'{t:.3f}' for t in cal['temperature'])} "
+              f"(fit on {cal['docs']} held-out documents; mean |α − ε̂| {cal['before']:.4f} → {cal['after']:.4f}).", ""]  # fmt: skip
+    lines += ["| ratio | mean α | \|α − ε̂\| at T = 1 | at T_l | rel. error retained-only | with memory | "
+              "\|g − α\| |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for tag, r in ev.items():
+        lines.append(f"| {tag[1:]}% | {r['mean_true_evicted_mass']:.4f} | {r['calibration_error_T1']:.4f} | "
+                     f"{r['calibration_error_T']:.4f} | {r['retained_only_rel_err']:.4f} | {r['memory_rel_err']:.4f} | "
+                     f"{r['gate_abs_err_vs_alpha']:.4f} |")  # fmt: skip
+    lines += ["", "| pass | part | seconds | share |", "|---|---|---|---|"]
+    tm = summary["timing"]
+    for name in ("deployment_parts", "indexer", "memory"):
+        if name in tm:
+            for k, v in tm[name]["seconds"].items():
+                lines.append(f"| {name} | {k} | {v:.2f} | {100 * tm[name]['share'][k]:.1f}% |")
+    return "\n".join(lines) + "\n"
 
 
 def train(cfg) -> dict:
