@@ -37,7 +37,9 @@ D head dim, w observation window, E evicted, P = 512 memory features.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,7 +48,7 @@ from torch import nn
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
 from core_kv.indexer import CoreModel
 from core_kv.memory import WRITE_RULES, MemoryState, write_weights
-from core_kv.models.attention import apply_rope, prerope_queries
+from core_kv.models.attention import apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported
 from core_kv.presses.base import BasePress
 from core_kv.teacher.metrics import protected_mask, top_free
@@ -261,14 +263,42 @@ class CorePress(BasePress, name="core"):
         new_pos = (
             pid[0].to(hs.device) if pid is not None else torch.arange(st["next"], st["next"] + t, device=hs.device)
         )
-        q_pre = prerope_queries(module, hs)  # (1, H, T, D)
-        q_post = apply_rope(module, q_pre, kwargs["position_embeddings"])
-        st["fwd"] = {"q_pre": q_pre[0].float(), "q_post": q_post[0].float(), "pos": new_pos, "cache": cache}
+        # the queries themselves come from the model's own q projection (_q_hook), not a second projection
+        st["fwd"] = {"pos": new_pos, "cache": cache, "position_embeddings": kwargs["position_embeddings"]}
+
+    def _q_hook(self, attn: nn.Module, proj: nn.Module, args, output: torch.Tensor) -> None:
+        """Pre-/post-RoPE queries of the current forward from the output of ``q_proj`` (``qkv_proj`` for Phi3)."""
+        st = self._layers.get(attn.layer_idx)
+        if st is None or "fwd" not in st:
+            return
+        fwd = st["fwd"]
+        b, t, _ = output.shape
+        q = output[..., : attn.config.num_attention_heads * attn.head_dim].view(b, t, -1, attn.head_dim)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q)
+        q_pre = q.transpose(1, 2)  # (1, H, T, D), as prerope_queries
+        q_post = apply_rope(attn, q_pre, fwd["position_embeddings"])
+        fwd["q_pre"], fwd["q_post"] = q_pre[0].float(), q_post[0].float()
         # observation window: the last OBS_WINDOW queries, across forwards (decode steps included)
-        wq_pre = q_pre[0].float() if st["wq_pre"] is None else torch.cat([st["wq_pre"], q_pre[0].float()], 1)
-        wq_post = q_post[0].float() if st["wq_post"] is None else torch.cat([st["wq_post"], q_post[0].float()], 1)
-        wpos = torch.cat([st["wpos"], new_pos])
+        wq_pre = fwd["q_pre"] if st["wq_pre"] is None else torch.cat([st["wq_pre"], fwd["q_pre"]], 1)
+        wq_post = fwd["q_post"] if st["wq_post"] is None else torch.cat([st["wq_post"], fwd["q_post"]], 1)
+        wpos = torch.cat([st["wpos"], fwd["pos"]])
         st["wq_pre"], st["wq_post"], st["wpos"] = wq_pre[:, -OBS_WINDOW:], wq_post[:, -OBS_WINDOW:], wpos[-OBS_WINDOW:]
+
+    @contextmanager
+    def __call__(self, model: nn.Module):
+        """:meth:`BasePress.__call__` plus a forward hook on every ``q_proj`` (removed on exit, whatever happens)."""
+        handles = []
+        try:
+            if not self.is_noop:
+                for attn in attention_modules(model):
+                    proj = attn.qkv_proj if hasattr(attn, "qkv_proj") else attn.q_proj
+                    handles.append(proj.register_forward_hook(partial(self._q_hook, attn)))
+            with super().__call__(model) as press:
+                yield press
+        finally:
+            for h in handles:
+                h.remove()
 
     def _fresh(self, module: nn.Module, device) -> dict:
         hkv = module.config.num_key_value_heads
@@ -406,9 +436,13 @@ class CorePress(BasePress, name="core"):
         h, t, d = q_post.shape
         hkv, s, _ = keys.shape
         scaling = float(getattr(module, "scaling", d**-0.5))
-        logits = (q_post.view(hkv, h // hkv, t, d) @ keys.float()[:, None].mT) * scaling  # (Hkv, G, T, S)
-        visible = torch.arange(s, device=keys.device)[None] <= (s - t + torch.arange(t, device=keys.device))[:, None]
-        return logits.masked_fill(~visible, float("-inf")).logsumexp(-1).reshape(h, t)
+        logits = (q_post.reshape(hkv, h // hkv * t, d) @ keys.float().mT) * scaling  # (Hkv, G·T, S), row g·T + t
+        if t > 1:
+            visible = (
+                torch.arange(s, device=keys.device)[None] <= (s - t + torch.arange(t, device=keys.device))[:, None]
+            )
+            logits = logits.masked_fill(~visible.repeat(h // hkv, 1), float("-inf"))
+        return logits.logsumexp(-1).reshape(h, t)
 
     @torch.no_grad()
     def readout(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor | None:
