@@ -116,6 +116,12 @@ class CorePress(BasePress, name="core"):
         certificate_delta: δ of the online certificate (paper Table 8 uses δ = 0.05).
         write_noise: Perturb each event's write weights by ``(1 + write_noise · ξ_e)``, ``ξ_e = ±1`` seeded per
             (layer, event): the mass perturbation of paper Table 8's ``G^(δ)`` (0 = off).
+
+    Attributes:
+        events: One dict per (layer, event) of the last context: ``t_e``, candidates, budget, evicted count, and per
+            KV head ``eps_hat`` (ε̂) and the memory's ``Z`` after the write.
+        certificates: With ``log_certificate``, one dict per (layer, forward after its first event) of the last
+            context, per query head: ε̂, α_E, gate, RetErr, compensated error, the four terms, bounds, hold rates.
     """
 
     checkpoint: str | None = None
@@ -252,6 +258,9 @@ class CorePress(BasePress, name="core"):
         st = self._layers.get(idx)
         if st is None or self._state[idx]["empty_before"]:
             st = self._layers[idx] = self._fresh(module, hs.device)
+            if idx == 0:  # a new context: the logs describe the last context only (bounded over an eval run)
+                self.events.clear()
+                self.certificates.clear()
         else:
             if isinstance(layer, RaggedLayer):
                 raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
