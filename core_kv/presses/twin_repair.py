@@ -99,6 +99,11 @@ class TwinRepairPress(BasePress, name="twin_repair"):
     Defaults are the paper's Qwen3-4B setting ``τ = 0.85``, ``w = 32``, 4 sinks and 64 recent positions protected
     from donation; the paper's Llama-3.2-1B setting is ``threshold=0.90`` (§4.1, §4.4).
 
+    ``protected_sinks``/``protected_recent`` protect positions from being donated; they are not forwarded to the
+    wrapped press, which keeps its own protection (its selection is audited as configured). The paper's baselines all
+    protect 4 sinks and 64 recent positions (§3.2): reproduce that with
+    ``press_options={"protected_sinks": 4, "protected_recent": 64}``.
+
     Deviations: ``b`` is computed against the retained set only (``O(n·K·d)``; identical values to the paper's
     full-matrix form, checked against :func:`naive_best_twin`). Like the paper, ``b`` is computed once from ``S0``
     and not updated between swaps.
