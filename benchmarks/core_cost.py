@@ -3,6 +3,7 @@
 Measured side by side in one process: no compression, SnapKV and CORE, at 1k–8k context tokens and one
 compression ratio (default 75%, the paper's Table 19 setting), for one-shot prefill and chunked prefill (512), plus
 the per-token decode time on the compressed cache (32 greedy steps; CORE pays the memory readout on every step).
+Every method ends with the same KV payload (chunked SnapKV runs with the equivalent absolute budget).
 Time is the median CPU time over ``--repeats`` rounds with the method order rotating (one thread; CPU time rather
 than wall time because the host is shared). Reported as ratios to no compression and to SnapKV, next to each
 method's KV payload and auxiliary bytes.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -60,12 +62,16 @@ def build_artifact(model, folder: Path) -> Path:
     return folder
 
 
-def presses(checkpoint: Path, ratio: float) -> dict:
+def presses(checkpoint: Path, ratio: float, n: int, chunked: bool) -> dict:
+    """The three methods at context ``n``. Chunked SnapKV gets the absolute budget ``floor(n (1 − ratio))``: with a
+    ratio the framework re-applies it to the compressed cache at every chunk (170 tokens/head at 75% and chunk 512,
+    whatever n), which would compare different payloads; CORE's own event budget ends at the same count."""
     from core_kv.presses import build_press
 
+    snap = {"budget": math.floor(n * (1 - ratio) + 1e-9)} if chunked else {"compression_ratio": ratio}
     return {
         "none": None,
-        "snapkv": build_press("snapkv", compression_ratio=ratio),
+        "snapkv": build_press("snapkv", **snap),
         "core": build_press("core", checkpoint=str(checkpoint), compression_ratio=ratio),
     }
 
@@ -145,16 +151,16 @@ def main(argv=None) -> None:
         model = build_model()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core")
-        methods = presses(ckpt, args.ratio)
-        core = methods["core"].core
-        params = core_parameter_counts(core)
-        base_params = sum(p.numel() for p in model.parameters())
         results = {}
         for mode, chunk in (("one-shot", None), (f"chunked {args.chunk}", args.chunk)):
             results[mode] = {}
             for n in args.lengths:
+                methods = presses(ckpt, args.ratio, n, chunk is not None)
                 results[mode][str(n)] = measure(model, methods, n, chunk, args.repeats)
                 print(f"[core_cost] {mode} {n}: {json.dumps(results[mode][str(n)])}", flush=True)
+        core = methods["core"].core
+        params = core_parameter_counts(core)
+        base_params = sum(p.numel() for p in model.parameters())
         equiv = methods["core"].token_equivalent(next(model.parameters()).element_size())
     summary = {
         "ratio": args.ratio,

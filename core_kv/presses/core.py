@@ -235,7 +235,7 @@ class CorePress(BasePress, name="core"):
             out["positions"] += st["pos"].numel() * st["pos"].element_size()
             out["persistence"] += st["persist"].numel() * st["persist"].element_size()
             if st.get("wq_pre") is not None:
-                out["obs_window"] += sum(t.numel() * t.element_size() for t in (st["wq_pre"], st["wq_post"]))
+                out["obs_window"] += st["wq_pre"].numel() * st["wq_pre"].element_size() + st["wpos"].numel() * 8
         return out
 
     def memory_state(self, layer: int) -> MemoryState | None:
@@ -290,9 +290,8 @@ class CorePress(BasePress, name="core"):
         fwd["q_pre"], fwd["q_post"] = q_pre[0].float(), q_post[0].float()
         # observation window: the last OBS_WINDOW queries, across forwards (decode steps included)
         wq_pre = fwd["q_pre"] if st["wq_pre"] is None else torch.cat([st["wq_pre"], fwd["q_pre"]], 1)
-        wq_post = fwd["q_post"] if st["wq_post"] is None else torch.cat([st["wq_post"], fwd["q_post"]], 1)
         wpos = torch.cat([st["wpos"], fwd["pos"]])
-        st["wq_pre"], st["wq_post"], st["wpos"] = wq_pre[:, -OBS_WINDOW:], wq_post[:, -OBS_WINDOW:], wpos[-OBS_WINDOW:]
+        st["wq_pre"], st["wpos"] = wq_pre[:, -OBS_WINDOW:], wpos[-OBS_WINDOW:]  # post-RoPE recomputed at events
 
     @contextmanager
     def __call__(self, model: nn.Module):
@@ -315,7 +314,6 @@ class CorePress(BasePress, name="core"):
             "pos": torch.empty(hkv, 0, dtype=torch.long, device=device),  # original position of every cached entry
             "persist": torch.empty(hkv, 0, device=device),  # persistence EMA (feature 2), NaN = new
             "wq_pre": None,
-            "wq_post": None,
             "wpos": torch.empty(0, dtype=torch.long, device=device),
             "next": 0,  # 1 + the last position processed
             "mem": None,
@@ -371,7 +369,9 @@ class CorePress(BasePress, name="core"):
         idx = module.layer_idx
         geo = self.core.geometry()
         hkv, n, d = keys.shape
-        g = st["wq_post"].shape[0] // hkv
+        g = st["wq_pre"].shape[0] // hkv
+        cos, sin = self._rotary(st["wq_pre"], st["wpos"][None])  # (1, w, r)
+        wq_post = apply_rope(module, st["wq_pre"][None], (cos.float(), sin.float()))[0]  # (H, w, D)
         z = geo.project(idx, k_pre)  # (Hkv, N, d_z)
         phi = geo.nystrom(idx, z)  # (Hkv, N, M)
         protos = geo.prototypes[idx].to(z)
@@ -380,7 +380,7 @@ class CorePress(BasePress, name="core"):
         for h in range(hkv):
             c = st["pos"][h]
             qs = slice(h * g, (h + 1) * g)
-            obs = observation_attention(st["wq_post"][qs][None], keys[h][None], st["wpos"], c, scaling)
+            obs = observation_attention(wq_post[qs][None], keys[h][None], st["wpos"], c, scaling)
             f, ema = compute_features(
                 obs, st["wq_pre"][qs].reshape(1, -1, d), k_pre[h][None], values[h][None], c, st["next"] - 1,
                 z[h][None], phi[h][None], protos[h][None], st["persist"][h][None],
