@@ -36,7 +36,7 @@ class IndexerStage:
     full cache at each event), then ``steps`` on-policy steps replaying documents with the student's own retained
     sets (CORE.md stage 2)."""
 
-    warmup_steps: int = 40
+    warmup_steps: int = 200
     records_per_micro: int = 16  # teacher records (event × layer) per micro-batch in the warm-up
     steps: int = 40
     lr: float = 1.0e-3
@@ -80,6 +80,7 @@ class TrainConfig:
         calib_docs / eval_docs: Held-out documents (disjoint index ranges) for calibration and the final report.
         ratios: Compression ratios cycled over training documents (position j gets ``ratios[j % len]``).
         eval_ratios: Ratios of the final report.
+        eval_greedy: Also compute Table 7's greedy J_B maximiser (slow: one Sherman–Morrison pick per free token).
         write_rule: ``mass`` (CORE) | ``equal_event`` | ``uniform_token``.
         micro_batch: Documents per process per micro-step (records: ``indexer.records_per_micro``).
         grad_accum: Micro-steps per optimizer step (``accelerator.accumulate``).
@@ -97,6 +98,7 @@ class TrainConfig:
     eval_docs: int = 6
     ratios: list[float] = field(default_factory=lambda: [0.75, 0.9, 0.5])
     eval_ratios: list[float] = field(default_factory=lambda: [0.75, 0.9])
+    eval_greedy: bool = False
     write_rule: str = "mass"
     indexer: IndexerStage = field(default_factory=IndexerStage)
     calibration: CalibrationStage = field(default_factory=CalibrationStage)

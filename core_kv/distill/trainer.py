@@ -415,7 +415,10 @@ class Trainer:
                         ):
                             if ev.p_star is None:
                                 continue
-                            rows.append(_event_rows(tag, policy, layer, ev, self.spec, ratio, self.geometry, a, idx))
+                            rows.append(
+                                _event_rows(tag, policy, layer, ev, self.spec, ratio, self.geometry, a, idx,
+                                            cfg.eval_greedy)
+                            )  # fmt: skip
                 terms, rm, rn, gg = mem_step.doc_terms(DocItem(doc, ratio))
                 rows.append({"kind": "memory", "tag": tag, "rel_mem": rm, "rel_none": rn, "gate_gap": gg})
             self.profile(doc, cfg.eval_ratios[0])
@@ -497,7 +500,7 @@ class Trainer:
             self.acc.end_training()
 
 
-def _event_rows(tag, policy, layer, ev, spec, ratio, geometry, acts, idx) -> dict:
+def _event_rows(tag, policy, layer, ev, spec, ratio, geometry, acts, idx, greedy: bool) -> dict:
     row = {"kind": "event", "tag": tag, "policy": policy, "layer": layer,
            "kl": float(kl_to_teacher(ev.p_star, ev.scores).mean())}  # fmt: skip
     if policy == "student":
@@ -522,8 +525,9 @@ def _event_rows(tag, policy, layer, ev, spec, ratio, geometry, acts, idx) -> dic
         "utility": top_free(ev.pi_u, prot, b_free),
         "teacher": top_free(ev.p_star, prot, b_free),
         "student": top_free(ev.scores.float(), prot, b_free),
-        "greedy": greedy_select(ev.pi_u, phi, beta_b, prot, b_free),
     }
+    if greedy:
+        sets["greedy"] = greedy_select(ev.pi_u, phi, beta_b, prot, b_free)
     for name, mask in sets.items():
         u, c = set_quality(mask, ev.pi_u, phi, beta_b)
         row[f"U.{name}"], row[f"C.{name}"] = u.tolist(), c.tolist()
