@@ -5,9 +5,11 @@ Usage::
     python -m core_kv.models.eval_proxy checkpoints/proxy-lm --lengths 1024 2048 4096 --n 20 --out runs/proxy/eval.json
 
 Samples are RULER's seed-42 sets from :mod:`core_kv.eval.ruler`, sized with the proxy tokenizer
-(``len(tok.tokenize(text))``). The score is RULER's ``string_match_all`` (x100). Generation stops after
-``min(tokens_to_generate, cap)`` new tokens: ``cap`` (48 by default) is longer than every NIAH/VT answer
-(4 numbers = 36 tokens, a UUID = 37), and only the answer strings are searched for in the prediction.
+(``len(tok.tokenize(text))``). The score is RULER's ``string_match_all`` (x100). To fit a CPU budget, generation
+stops after ``min(tokens_to_generate, cap, ANSWER_TOKENS[task])`` new tokens instead of RULER's 128 for NIAH: the
+limits are at least the length of a correct answer (one number = 9 proxy tokens, a UUID = 37, 4 numbers = 36; VT
+keeps its 30), so only a model that would bury the answer after a long preamble scores lower than with 128. CWE is
+cut at ``cap`` (48) of its 120 tokens, enough for about 10 of its answer words.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ TASKS = (
 )
 
 
+ANSWER_TOKENS = {  # proxy tokens of the longest correct answer (+ a margin): one number = 9, a UUID = 37, 4 numbers = 36
+    "niah_single_1": 12,
+    "niah_single_2": 12,
+    "niah_multikey_1": 12,
+    "niah_multikey_2": 12,
+    "niah_single_3": 40,
+    "niah_multikey_3": 40,
+    "niah_multivalue": 40,
+    "niah_multiquery": 40,
+}
+
+
 def token_counter(tokenizer):
     """RULER's counter for the proxy tokenizer, fingerprinted by content (not by folder) for the sample cache."""
     from core_kv.eval.ruler import TokenCounter
@@ -52,8 +66,16 @@ def string_match_all(pred: str, refs: list[str]) -> float:
 
 
 @torch.no_grad()
-def evaluate(model_dir: str, lengths: list[int], n: int, tasks: list[str], cap: int = 48, threads: int = 2) -> dict:
-    """Score every (task, length) cell on the first ``n`` seed-42 samples.
+def evaluate(
+    model_dir: str,
+    lengths: list[int],
+    n: int,
+    tasks: list[str],
+    cap: int = 48,
+    threads: int = 2,
+    out: str | None = None,
+) -> dict:
+    """Score every (task, length) cell on the first ``n`` seed-42 samples (``out`` is rewritten after each cell).
 
     Returns:
         ``{"scores": {task: {length: score}}, "seconds": {...}, "predictions": [...]}``.
@@ -76,13 +98,13 @@ def evaluate(model_dir: str, lengths: list[int], n: int, tasks: list[str], cap: 
             total = 0.0
             for rec in records:
                 ids = tok(rec["input"] + rec["answer_prefix"], return_tensors="pt")["input_ids"]
-                out = model.generate(
+                gen = model.generate(
                     ids,
                     do_sample=False,
-                    max_new_tokens=min(rec["max_new_tokens"], cap),
+                    max_new_tokens=min(rec["max_new_tokens"], cap, ANSWER_TOKENS.get(task, cap)),
                     pad_token_id=tok.pad_token_id,
                 )
-                pred = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+                pred = tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
                 s = string_match_all(pred, rec["outputs"])
                 total += s
                 preds.append({"task": task, "length": length, "tokens": ids.shape[1], "pred": pred,
@@ -91,7 +113,17 @@ def evaluate(model_dir: str, lengths: list[int], n: int, tasks: list[str], cap: 
             seconds.setdefault(task, {})[length] = round(time.time() - t0, 1)
             print(f"{task:18s} L={length:5d} n={len(records)} score={scores[task][length]:6.2f} "
                   f"({seconds[task][length]:.0f}s)", flush=True)  # fmt: skip
-    return {"model": str(model_dir), "n": n, "cap": cap, "scores": scores, "seconds": seconds, "predictions": preds}
+            res = {
+                "model": str(model_dir),
+                "n": n,
+                "cap": cap,
+                "scores": scores,
+                "seconds": seconds,
+                "predictions": preds,
+            }
+            if out:
+                atomic_write_json(Path(out), res)
+    return res
 
 
 def main() -> None:
@@ -104,9 +136,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    res = evaluate(a.model_dir, a.lengths, a.n, a.tasks, a.cap, a.threads)
-    if a.out:
-        atomic_write_json(Path(a.out), res)
+    evaluate(a.model_dir, a.lengths, a.n, a.tasks, a.cap, a.threads, a.out)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ TASKS = (
     "mk_noise",  # training only: 2-4 needles in noise, several singular questions
     "vt",
     "lm",  # plain essay text
+    "copy",  # training only: random needle lines, then the same lines again (every repeated token is scored)
 )
 
 
@@ -115,7 +116,7 @@ class Sequence:
     """One training sequence. ``lm[i]``/``ans[i]`` describe the target token ``ids[i]`` (predicted at ``i-1``)."""
 
     ids: list[int]
-    lm: list[int]  # 1 = in the LM loss
+    lm: list[int]  # 0 = not in the LM loss, 1 = sampled into it, 2 = always in it (question after the context)
     ans: list[int]  # k > 0 = token of the k-th answer, 0 = not an answer
     task: str
 
@@ -211,6 +212,8 @@ class Generator:
             return Sequence([bos, *ids], [0] + [1] * len(ids), [0] * (len(ids) + 1), task)
         if task == "vt":
             return self._vt(length)
+        if task == "copy":
+            return self._copy(length)
         return self._niah(task, length)
 
     def _niah(self, task: str, length: int) -> Sequence:
@@ -277,6 +280,27 @@ class Generator:
         values = [v for vs in vals for v in vs] + extra_values
         return self._encode(segments, values, task)
 
+    def _copy(self, length: int) -> Sequence:
+        """Needle lines, then the same lines repeated: the repeat is predictable only by copying (an induction head),
+        the circuit that retrieval is built on, and it supervises every repeated token instead of ~9 answer tokens."""
+        r = self.rng.random()
+        if r < 0.5:  # distinct adjectives: every repeated token is unique, so one-token induction suffices
+            n = max(1, (length - 2) // 2)
+            text = " ".join(self.rng.sample(self.adjs, min(n, len(self.adjs))))
+        elif r < 0.75:  # needle lines
+            n = max(1, (length - 2) // 2 // 21)
+            text = "\n".join(
+                NEEDLE.format(type_needle_v="numbers", key=self._key(), value=self._number()) for _ in range(n)
+            )
+        else:  # bare keys and numbers
+            n = max(1, (length - 2) // 2 // 6)
+            text = " ".join(self._key() if self.rng.random() < 0.5 else self._number() for _ in range(n))
+        first = self._tok([text + "\n"])[0]
+        ids = [self.tokenizer.bos_token_id, *first, *first]
+        digits = {self.tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+        lm = [0] + [0 if t in digits else 1 for t in first] + [2] * len(first)
+        return Sequence(ids, lm, [0] * len(ids), "copy")
+
     def _vt(self, length: int) -> Sequence:
         r = self.rng
         letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -323,7 +347,10 @@ class Generator:
             hidden = bytearray(len(text))  # 1 = character of a random value
             for m in pattern.finditer(text) if pattern else ():
                 hidden[m.start() : m.end()] = b"\x01" * (m.end() - m.start())
-            lm.extend(0 if any(hidden[a:b]) else 1 for a, b in offsets)
+            # The question and answer prefix repeat the key from the context: the induction signal that comes
+            # before any answer copying (feasibility note, run B), so they are always scored (lm = 2).
+            q = max(text.rfind("\nWhat "), text.rfind("\nQuestion: "))
+            lm.extend(0 if any(hidden[a:b]) else (2 if 0 <= q <= a else 1) for a, b in offsets)
             ans.extend([0] * len(seg_ids))
         return Sequence(ids, lm, ans, task)
 

@@ -169,18 +169,18 @@ def collate(seqs, pad_id: int):
     """Right-pad to the longest sequence; padding is causal-safe (it only follows real tokens) and never scored."""
     T = max(len(s.ids) for s in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)  # (B, T)
-    lm = torch.zeros((len(seqs), T), dtype=torch.bool)
+    lm = torch.zeros((len(seqs), T), dtype=torch.long)
     ans = torch.zeros((len(seqs), T), dtype=torch.long)
     for b, s in enumerate(seqs):
         n = len(s.ids)
         ids[b, :n] = torch.tensor(s.ids)
-        lm[b, :n] = torch.tensor(s.lm, dtype=torch.bool)
+        lm[b, :n] = torch.tensor(s.lm)
         ans[b, :n] = torch.tensor(s.ans)
     return ids, lm, ans
 
 
 def compute_loss(model, ids, lm, ans, lm_fraction: float, gen: torch.Generator | None, bf16: bool):
-    """LM loss on a random ``lm_fraction`` of the scorable positions + answer loss; exact match per answer.
+    """LM loss (positions flagged 2, plus a random ``lm_fraction`` of those flagged 1) + answer loss; exact match.
 
     Returns:
         ``(lm_loss, answer_loss, em)``: tensors for the two losses and a list ``[(row, answer_id, correct)]``.
@@ -192,7 +192,7 @@ def compute_loss(model, ids, lm, ans, lm_fraction: float, gen: torch.Generator |
         hidden = model.model(input_ids=ids).last_hidden_state  # (B, T, H)
         tgt, lm_t, ans_t = ids[:, 1:], lm[:, 1:], ans[:, 1:]  # target t+1 is predicted at position t
         h = hidden[:, :-1]
-        keep = lm_t & (torch.rand(lm_t.shape, generator=gen, device=lm_t.device) < lm_fraction)
+        keep = (lm_t == 2) | ((lm_t == 1) & (torch.rand(lm_t.shape, generator=gen, device=lm_t.device) < lm_fraction))
         sel_lm = keep.nonzero(as_tuple=True)
         sel_ans = (ans_t > 0).nonzero(as_tuple=True)
         logits_lm = model.lm_head(h[sel_lm]).float()  # (N, V)
