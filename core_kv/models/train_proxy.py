@@ -109,6 +109,7 @@ class TrainConfig:
     )
     em_window: int = 40  # steps in the running exact match that drives phase advance
     threads: int = 2
+    device: str = "cpu"  # or "cuda" (bf16 autocast there too)
     bf16: bool = True
     ckpt_every_s: float = 240.0
     log_every: int = 10
@@ -192,7 +193,8 @@ def compute_loss(model, ids, lm, ans, lm_fraction: float, gen: torch.Generator |
         hidden = model.model(input_ids=ids).last_hidden_state  # (B, T, H)
         tgt, lm_t, ans_t = ids[:, 1:], lm[:, 1:], ans[:, 1:]  # target t+1 is predicted at position t
         h = hidden[:, :-1]
-        keep = (lm_t == 2) | ((lm_t == 1) & (torch.rand(lm_t.shape, generator=gen, device=lm_t.device) < lm_fraction))
+        draw = torch.rand(lm_t.shape, generator=gen).to(lm_t.device)  # CPU generator: same draws on any device
+        keep = (lm_t == 2) | ((lm_t == 1) & (draw < lm_fraction))
         sel_lm = keep.nonzero(as_tuple=True)
         sel_ans = (ans_t > 0).nonzero(as_tuple=True)
         logits_lm = model.lm_head(h[sel_lm]).float()  # (N, V)
@@ -229,7 +231,7 @@ def probe(model, probes: dict[str, list], bf16: bool) -> dict[str, float]:
     for name, seqs in probes.items():
         hits = 0
         for s in seqs:
-            ids, lm, ans = collate([s], 0)
+            ids, lm, ans = (t.to(model.device) for t in collate([s], 0))
             ans = torch.where(ans == 1, ans, torch.zeros_like(ans))
             _, _, em = compute_loss(model, ids, lm, ans, 0.0, None, bf16)
             hits += int(all(c for _, _, c in em))
@@ -300,7 +302,7 @@ def train(cfg: TrainConfig) -> Path:
     ckpt = latest_checkpoint(out)
     model = LlamaForCausalLM.from_pretrained(ckpt) if ckpt else build_model(cfg.model, tokenizer)
     model.config._attn_implementation = "sdpa"
-    model.train()
+    model.to(cfg.device).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
     opt = torch.optim.AdamW(
@@ -313,7 +315,7 @@ def train(cfg: TrainConfig) -> Path:
     loss_gen = torch.Generator().manual_seed(cfg.seed + 1)
     state = {"step": 0, "phase": 0, "phase_start": 0, "tokens": 0, "train_s": 0.0, "em_window": {}}
     if ckpt:
-        st = torch.load(ckpt / "train_state.pt", weights_only=False)
+        st = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
         opt.load_state_dict(st["optimizer"])
         data.rng.setstate(st["data_rng"])
         torch.set_rng_state(st["torch_rng"])
@@ -339,7 +341,7 @@ def train(cfg: TrainConfig) -> Path:
         phase = cfg.phases[state["phase"]]
         t0 = time.time()
         seqs = data.batch(phase.mix, phase.min_len, phase.max_len, phase.tokens_per_step)
-        ids, lm, ans = collate(seqs, tokenizer.pad_token_id)
+        ids, lm, ans = (t.to(cfg.device) for t in collate(seqs, tokenizer.pad_token_id))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         lm_loss, ans_loss, em = compute_loss(model, ids, lm, ans, cfg.lm_fraction, loss_gen, cfg.bf16)
