@@ -78,7 +78,8 @@ class Phase:
     min_steps: int = 0
     max_steps: int = 1_000_000
     advance_em: float = 0.8
-    mix: dict[str, float] = field(default_factory=lambda: dict(FULL_MIX))
+    # Task weights; empty means FULL_MIX. (A non-empty default would be merged with, not replaced by, a YAML mix.)
+    mix: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -340,7 +341,7 @@ def train(cfg: TrainConfig) -> Path:
         step = state["step"]
         phase = cfg.phases[state["phase"]]
         t0 = time.time()
-        seqs = data.batch(phase.mix, phase.min_len, phase.max_len, phase.tokens_per_step)
+        seqs = data.batch(phase.mix or FULL_MIX, phase.min_len, phase.max_len, phase.tokens_per_step)
         ids, lm, ans = (t.to(cfg.device) for t in collate(seqs, tokenizer.pad_token_id))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
