@@ -159,7 +159,14 @@ class BasePress:
         n_kept: int,
         lengths: torch.Tensor | None = None,
     ) -> Kept:
-        """Score, protect, select. ``lengths`` ``(Hkv,)`` marks valid prefixes of a right-padded ragged cache."""
+        """Score, protect, select. ``lengths`` ``(Hkv,)`` marks valid prefixes of a right-padded ragged cache.
+
+        Scorers find the valid length of every head in ``kwargs["kv_lengths"]`` ``(Hkv,)`` (all ``S`` for a
+        rectangular cache), so statistics over the cache (means, windows) can ignore the padding.
+        """
+        s = keys.shape[2]
+        lens = torch.full((keys.shape[1],), s, device=keys.device) if lengths is None else lengths.to(keys.device)
+        kwargs = {**kwargs, "kv_lengths": lens}
         scores = self.score(module, hidden_states, keys, values, attentions, kwargs).float()
         if scores.shape != keys.shape[:3]:
             raise ValueError(
@@ -167,9 +174,7 @@ class BasePress:
             )
         if torch.isnan(scores).any():
             raise ValueError(f"{type(self).__name__}.score produced NaN scores (layer {module.layer_idx})")
-        s = keys.shape[2]
         pos = torch.arange(s, device=scores.device)
-        lens = torch.full((keys.shape[1],), s, device=scores.device) if lengths is None else lengths.to(scores.device)
         sinks, recent = self.protected(n_kept)
         invalid = pos[None, :] >= lens[:, None]  # (Hkv, S)
         prot = (pos[None, :] < sinks) | ((pos[None, :] >= lens[:, None] - recent) & ~invalid)

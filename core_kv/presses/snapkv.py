@@ -13,17 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from core_kv.models.attention import apply_rope, prerope_queries
-from core_kv.models.cache import RaggedLayer, cache_from_kwargs
 from core_kv.presses.base import ScorerPress
 
 
 def head_lengths(module, keys: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """Valid tokens per KV head ``(Hkv,)``: all of ``keys`` unless the layer is a right-padded ragged cache."""
-    cache = cache_from_kwargs(kwargs)
-    if cache is not None and module.layer_idx < len(cache.layers):
-        layer = cache.layers[module.layer_idx]
-        if isinstance(layer, RaggedLayer):
-            return layer.lengths().to(keys.device)
+    """Valid tokens per KV head ``(Hkv,)``: ``kwargs["kv_lengths"]`` from the framework, else all of ``keys``."""
+    lengths = kwargs.get("kv_lengths")
+    if lengths is not None:
+        return lengths.to(keys.device)
     return torch.full((keys.shape[1],), keys.shape[2], device=keys.device, dtype=torch.long)
 
 

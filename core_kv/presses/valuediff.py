@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from core_kv.presses.base import Kept, ScorerPress
+from core_kv.presses.base import ScorerPress
 
 VARIANTS = ("diff", "vnorm", "vdir")
 
@@ -69,20 +68,8 @@ class ValueDiffPress(ScorerPress, name="valuediff"):
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        return value_scores(values, self.variant, kwargs.get("_core_kv_valid"))
-
-    def compress(
-        self,
-        module: nn.Module,
-        hidden_states: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attentions: torch.Tensor | None,
-        kwargs: dict,
-        n_kept: int,
-        lengths: torch.Tensor | None = None,
-    ) -> Kept:
-        if lengths is not None:  # ragged cache right-padded by the framework: average real entries only
-            pos = torch.arange(keys.shape[2], device=keys.device)
-            kwargs = {**kwargs, "_core_kv_valid": pos[None, :] < lengths.to(keys.device)[:, None]}
-        return super().compress(module, hidden_states, keys, values, attentions, kwargs, n_kept, lengths=lengths)
+        lengths = kwargs.get("kv_lengths")
+        valid = None
+        if lengths is not None and bool((lengths != values.shape[2]).any()):  # ragged cache, right-padded
+            valid = torch.arange(values.shape[2], device=values.device)[None, :] < lengths[:, None]  # (Hkv, S)
+        return value_scores(values, self.variant, valid)
