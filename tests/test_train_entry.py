@@ -22,6 +22,7 @@ def tiny_args(out: Path, teacher: Path, *extra: str) -> list[str]:
         f"out_dir={out}",
         f"teacher.out_dir={teacher}",
         "teacher.chunk_size=64",
+        "teacher.protected_recent=8",  # leaves free picks at 75% on 64-token events, so Table 7 rows exist
         "teacher.progress=false",
         "teacher.model.random_init=true",
         "teacher.model.path=''",
@@ -109,6 +110,11 @@ def test_folder_listing_and_artifact(reference):
     assert core.memory.w_phi.shape == (2, 2, 512, 16)
     assert core.geo_prototypes.abs().sum() > 0 and core.indexer.feature_std.min() > 0
     assert core.config.fingerprint["kv_heads"] == 2
+    summary = __import__("json").loads((reference / "summary.json").read_text())
+    t7 = summary["eval"]["r75"]["table7"]
+    assert {"utility", "teacher", "student"} <= set(t7) and "greedy" not in t7  # greedy is opt-in (eval_greedy)
+    assert 0.5 < summary["eval"]["r75"]["student_J_over_teacher_J"] < 1.5
+    assert (reference / "report.md").read_text().count("| 75% |") >= 5
 
 
 def test_artifact_refuses_other_base_model(reference, llama):

@@ -557,8 +557,8 @@ def _summarise(rows: list[dict], ratios: list[float]) -> dict:
         full = [x for x in ev if x["policy"] == "full" and "U.student" in x]
         t7 = {}
         for name in ("utility", "teacher", "student", "greedy"):
-            u = [v for x in full for v in x[f"U.{name}"]]
-            c = [v for x in full for v in x[f"C.{name}"]]
+            u = [v for x in full for v in x.get(f"U.{name}", [])]
+            c = [v for x in full for v in x.get(f"C.{name}", [])]
             if u:
                 t7[name] = {"U_B": _mean(u), "C_B": _mean(c), "J_B": _mean(a + b for a, b in zip(u, c, strict=True))}
         res["table7"] = t7
