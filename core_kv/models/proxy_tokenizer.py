@@ -43,15 +43,22 @@ def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
 
 
 def build_tokenizer(
-    corpus: Iterable[str], adjectives: Iterable[str], nouns: Iterable[str], base_vocab: int = 4096
+    corpus: Iterable[str],
+    adjectives: Iterable[str],
+    nouns: Iterable[str],
+    base_vocab: int = 4096,
+    key_words: bool = True,
 ) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on ``corpus`` and extend its merges so every key word is one token.
+    """Train a byte-level BPE on ``corpus`` and (``key_words``) extend its merges so every key word is one token.
 
     Args:
         corpus: Training text (training essays, template strings, word lists).
         adjectives: wonderwords adjectives (the first half of a RULER key).
         nouns: wonderwords nouns (the second half of a RULER key).
         base_vocab: Size of the BPE trained on ``corpus`` before the key-word merges are appended.
+        key_words: Append the key-word merges. ``False`` gives the plain BPE of the feasibility note (vocab exactly
+            ``base_vocab``, keys split into several pieces, every token frequent), which learned to copy on the CPU
+            budget where the whole-word vocabulary (~16k mostly rare tokens) did not.
 
     Returns:
         The wrapped tokenizer; ``len(tok)`` is the vocabulary size the model must use.
@@ -67,7 +74,7 @@ def build_tokenizer(
         show_progress=False,
     )
     bpe.train_from_iterator(corpus, trainer=trainer)
-    targets = key_word_pieces(adjectives, nouns)
+    targets = key_word_pieces(adjectives, nouns) if key_words else []
 
     # Append left-to-right merge chains for target pieces that are still split; a later chain can alter an
     # earlier piece's split (a merge it shares), so repeat until every target is one token.

@@ -93,6 +93,7 @@ class TrainConfig:
     data_seed: int = 20261129  # training sequences (never 42, RULER's evaluation seed)
     probe_seed: int = 777  # fixed probe prompts for the periodic evaluation
     base_vocab: int = 4096  # BPE size before the key-word merges
+    key_word_tokens: bool = True  # False: plain BPE of base_vocab tokens (feasibility recipe), keys split into pieces
     model: ModelConfig = field(default_factory=ModelConfig)
     phases: list[Phase] = field(default_factory=lambda: [Phase()])
     total_steps: int = 3000
@@ -132,7 +133,7 @@ class TrainConfig:
 
 
 # ---- tokenizer and model ---------------------------------------------------------------------------------------
-def build_proxy_tokenizer(base_vocab: int = 4096):
+def build_proxy_tokenizer(base_vocab: int = 4096, key_words: bool = True):
     """The proxy tokenizer trained on the training essays only (see ``proxy_tokenizer``)."""
     from core_kv.eval.resources import essay_files, words
     from core_kv.models.proxy_data import held_out_essays
@@ -141,7 +142,7 @@ def build_proxy_tokenizer(base_vocab: int = 4096):
     held = held_out_essays()
     essays = [f.read_text(encoding="utf-8") for f in essay_files() if f.stem not in held]
     adjs, nouns = words("adjectives"), words("nouns")
-    return build_tokenizer(default_corpus(essays, adjs, nouns), adjs, nouns, base_vocab=base_vocab)
+    return build_tokenizer(default_corpus(essays, adjs, nouns), adjs, nouns, base_vocab=base_vocab, key_words=key_words)
 
 
 def build_model(cfg: ModelConfig, tokenizer):
@@ -295,7 +296,7 @@ def train(cfg: TrainConfig) -> Path:
     atomic_write_json(out / "config.json", to_dict(cfg))
     tok_dir = out / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
-        build_proxy_tokenizer(cfg.base_vocab).save_pretrained(tok_dir)
+        build_proxy_tokenizer(cfg.base_vocab, cfg.key_word_tokens).save_pretrained(tok_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
 
     random.seed(cfg.seed)
