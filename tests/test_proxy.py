@@ -6,6 +6,7 @@ Offline: the checkpoint and tokenizer load from the repository folder; the data 
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -51,11 +52,28 @@ def test_tokenizer_round_trip_digits_and_keys(tok):
     assert tok.tokenize(" 1234567") == ["Ġ", "1", "2", "3", "4", "5", "6", "7"]  # one token per digit
     from core_kv.eval.resources import words
 
+    cfg_file = CKPT / "training_config.json"
+    if cfg_file.is_file() and not json.loads(cfg_file.read_text()).get("key_word_tokens", True):
+        return  # plain BPE (feasibility recipe): keys are split into frequent pieces; round trip checked above
     rng = random.Random(0)
     pre = tok.backend_tokenizer.pre_tokenizer
     for _ in range(300):  # every RULER key word is one token: " capable-percent" -> Ġcapable, -, percent
         key = f"{rng.choice(words('adjectives'))}-{rng.choice(words('nouns'))}"
         assert len(tok.tokenize(" " + key)) == len(pre.pre_tokenize_str(" " + key)), key
+
+
+def test_plain_bpe_option_keeps_base_vocab():
+    from core_kv.models.proxy_tokenizer import NOISE_LINE, build_tokenizer
+
+    adjs, nouns = ["capable", "abortive", "thoughtless"], ["percent", "brocolli", "skyscraper"]
+    corpus = [NOISE_LINE] * 20 + [
+        f"One of the special magic numbers for {a}-{n} is: 1234567." for a in adjs for n in nouns
+    ]
+    plain = build_tokenizer(corpus, adjs, nouns, base_vocab=300, key_words=False)
+    whole = build_tokenizer(corpus, adjs, nouns, base_vocab=300)
+    assert len(plain) <= 300 < len(whole)
+    assert plain.tokenize(" 1234567") == ["Ġ", "1", "2", "3", "4", "5", "6", "7"]
+    assert len(whole.tokenize(" thoughtless-skyscraper")) == 3 < len(plain.tokenize(" thoughtless-skyscraper"))
 
 
 # ---- checkpoint --------------------------------------------------------------------------------------------------
