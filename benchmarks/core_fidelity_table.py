@@ -50,7 +50,7 @@ def bytes_table(rows: dict) -> str:
     return "\n".join(out)
 
 
-def plot(rows: dict, path: Path) -> None:
+def plot(rows: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,7 +67,7 @@ def plot(rows: dict, path: Path) -> None:
     ax.set_xlabel("KV cache removed (%)")
     ax.set_ylabel("KL(full ‖ compressed), nats/token (lower is better)")
     ax.set_yscale("log")
-    ax.set_title("Natural-text fidelity, proxy snapshot, 1k+2k held-out essays")
+    ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,13 +78,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folders", nargs="+", help="results folders, optionally label=folder")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--title", default="Natural-text fidelity (KL to the full cache)")
     args = ap.parse_args(argv)
     rows = load(args.folders)
     print("KL(full ‖ compressed), nats/token (lower is better)\n\n" + table(rows, "average", ".4f"))
     print("\nTop-1 agreement with the full cache (higher is better)\n\n" + table(rows, "top1_agreement", ".3f"))
     print("\nKV payload / auxiliary state per context\n\n" + bytes_table(rows))
     if args.plot:
-        plot(rows, Path(args.plot))
+        plot(rows, Path(args.plot), args.title)
 
 
 if __name__ == "__main__":
