@@ -144,3 +144,31 @@ def test_supported_families_run(llama):
         cache = prefill(model, torch.randint(0, 256, (1, 50)), press)
         assert kv_bytes(cache)["tokens_per_head"] == [[25, 25], [25, 25]]
         assert len(greedy_answer(model, cache, 50, torch.randint(0, 256, (1, 3)), 3, press)) <= 3
+
+
+def test_layers_with_different_budgets_answer_multi_token_questions(llama):
+    """Per-layer budgets (PyramidKV) leave layers of different lengths; a multi-token question must still get a
+    correct causal mask in every layer (transformers builds one mask from layer 0's length)."""
+    from dataclasses import dataclass
+
+    from core_kv.presses.knorm import KnormPress
+
+    @dataclass
+    class PerLayer(KnormPress):
+        def layer_target(self, module, n):
+            return n // 2 if module.layer_idx == 0 else n // 4
+
+    for attn in ("sdpa", "eager"):
+        model = tiny_model("llama", attn=attn)
+        ids, q = torch.randint(0, 256, (1, 96)), torch.randint(0, 256, (1, 6))
+        press = PerLayer(compression_ratio=0.5)
+        cache = prefill(model, ids, press)
+        assert kv_bytes(cache)["tokens_per_head"] == [[48, 48], [24, 24]]
+        # reference: feed the question token by token (a single query needs no mask)
+        one_shot = greedy_answer(model, cache, 96, q, 4, press)
+        stepwise_logits = []
+        with press(model):
+            for i in range(q.shape[1]):
+                out = model(input_ids=q[:, i : i + 1], past_key_values=cache, position_ids=torch.tensor([[96 + i]]))
+                stepwise_logits.append(out.logits[0, -1])
+        assert int(stepwise_logits[-1].argmax()) == one_shot[0]

@@ -137,12 +137,22 @@ def ragged_sdpa(module: nn.Module, query: torch.Tensor, kv: RaggedKV, scaling: f
     return out.transpose(1, 2).contiguous()
 
 
+def causal_mask(t: int, s: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask ``(1, 1, T, S)``: the T queries are the last T of S cached positions (no padding)."""
+    allowed = torch.arange(s, device=device)[None, :] <= (s - t + torch.arange(t, device=device))[:, None]
+    return torch.zeros(t, s, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
 def _make_wrapper(base: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if isinstance(key, RaggedKV):
             if query.shape[0] != 1:
                 raise ValueError("per-head (ragged) caches support batch size 1")
             return ragged_sdpa(module, query, key, scaling), None
+        if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+            # transformers builds one mask from layer 0's cache length; layers compressed to other lengths
+            # (per-layer budgets, e.g. PyramidKV) need their own causal mask, aligned to the end of the cache.
+            attention_mask = causal_mask(query.shape[-2], key.shape[-2], query.dtype, query.device)
         fn = ALL_ATTENTION_FUNCTIONS[base] if base != "eager" else _family(module).eager_attention_forward
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
