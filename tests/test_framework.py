@@ -172,3 +172,19 @@ def test_layers_with_different_budgets_answer_multi_token_questions(llama):
                 out = model(input_ids=q[:, i : i + 1], past_key_values=cache, position_ids=torch.tensor([[96 + i]]))
                 stepwise_logits.append(out.logits[0, -1])
         assert int(stepwise_logits[-1].argmax()) == one_shot[0]
+
+
+def test_ratio_is_a_share_of_everything_seen_in_chunked_prefill_and_decoding(llama):
+    """Chunked prefill keeps floor(N (1 - r)) of the whole context (not of the compressed cache + chunk), and
+    decode-time eviction after re-entering the press keeps the ratio of all tokens seen."""
+    ids = torch.randint(0, 256, (1, 256))
+    press = build_press("knorm", compression_ratio=0.75)
+    cache = prefill(llama, ids, press, chunk_size=64)
+    assert kv_bytes(cache)["tokens_per_head"] == [[64, 64], [64, 64]]
+    press = build_press("knorm", compression_ratio=0.5, decoding=True, decoding_slack=8)
+    cache = prefill(llama, ids, press)
+    assert kv_bytes(cache)["tokens_per_head"][0] == [128, 128]
+    greedy_answer(llama, cache, 256, torch.randint(0, 256, (1, 6)), 20, press, eos_token_ids=[], trim=False)
+    seen = 256 + 6 + 19  # the last generated token is never fed
+    kept = kv_bytes(cache)["tokens_per_head"][0][0]
+    assert seen // 2 <= kept <= seen // 2 + 8

@@ -212,7 +212,9 @@ class BasePress:
         lengths = layer_lengths(layer)
         size = int(lengths.max())
         if self._mode == "prefill" or st["empty_before"]:
-            n_kept = self.layer_target(module, size)
+            # the budget is a share of every token this layer has seen (chunked prefill: of the context so far),
+            # not of the already-compressed cache plus the new chunk
+            n_kept = min(self.layer_target(module, st["seen"]), size)
             if n_kept >= size and int(lengths.min()) == size:
                 return output
         elif self.decoding:
@@ -270,7 +272,8 @@ class BasePress:
                 "attn_implementation='eager'"
             )
         handles = []
-        self._state = {}
+        # per-layer state (tokens seen) survives re-entry: the pipeline re-enters the press to answer questions on
+        # the cache it compressed; it is reset by the first forward on an empty cache
         self._mode = "auto"
         overrides_readout = type(self).readout is not BasePress.readout
         try:
