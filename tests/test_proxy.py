@@ -15,11 +15,6 @@ import torch
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "proxy-lm"
 pytestmark = pytest.mark.skipif(not (CKPT / "model.safetensors").is_file(), reason="proxy-lm checkpoint not exported")
-NEEDLE_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="the shipped proxy-lm did not learn retrieval in its CPU budget (checkpoints/proxy-lm/README.md); "
-    "strict: this test starts failing (XPASS) once a retrained checkpoint retrieves, so the marker gets removed",
-)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +105,6 @@ def test_greedy_is_deterministic(model, tok):
     assert torch.equal(out, again)
 
 
-@NEEDLE_XFAIL
 @torch.no_grad()
 def test_finds_needles_with_full_cache(model, tok):
     hits = 0
