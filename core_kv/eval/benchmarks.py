@@ -124,7 +124,7 @@ class Benchmark:
 
     def load(self, cfg: BenchmarkConfig, tokenizer, seed: int) -> list[Sample]:
         """Rows of this benchmark in the project schema (abstract)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement load()")
+        raise NotImplementedError(f"{type(self).__name__} must implement load() (abstract)")
 
     def evaluate_group(self, job: GroupJob) -> list[dict]:
         """Compress the group's context once, answer every question, score each answer.
