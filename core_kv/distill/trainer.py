@@ -188,7 +188,12 @@ class Trainer:
         self.autocast = acc.autocast() if acc.mixed_precision != "no" else None
         self._docs: dict[int, object] = {}
         if cfg.wandb:
-            acc.init_trackers(cfg.wandb_project, config=to_dict(cfg))
+            # mode/dir passed explicitly: wandb caches its settings process-wide at first import, so an earlier
+            # WANDB_MODE would otherwise win over this run's
+            wandb_kwargs = {"mode": os.environ.get("WANDB_MODE", cfg.wandb_mode)}
+            if os.environ.get("WANDB_DIR"):
+                wandb_kwargs["dir"] = os.environ["WANDB_DIR"]
+            acc.init_trackers(cfg.wandb_project, config=to_dict(cfg), init_kwargs={"wandb": wandb_kwargs})
 
     def docs(self, indices: list[int]) -> list:
         missing = [i for i in indices if i not in self._docs]
