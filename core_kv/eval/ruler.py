@@ -380,6 +380,33 @@ def _binary_search(total_tokens: Callable[[int], int], max_seq_length: int, lowe
     return best
 
 
+def _fitted_records(
+    gen: Callable[[int], tuple[str, list[str]]],
+    count: TokenCounter,
+    ttg: int,
+    max_seq_length: int,
+    num_samples: int,
+    start: int,
+    incremental: int,
+    family: str,
+    name: str,
+) -> list[dict]:
+    """Upstream's sample loop shared by NIAH, CWE and QA: draw each sample at the searched size ``start``, stepping
+    down by ``incremental`` until ``text + tokens_to_generate`` fits ``max_seq_length``, then split the answer prefix."""
+
+    def attempt(n: int):
+        text, answers = gen(n)
+        length = count(text) + ttg
+        return (text, answers, length) if length <= max_seq_length else None
+
+    records = []
+    for index in range(num_samples):
+        text, answers, length = _step_down(attempt, start, incremental, f"{name} at L={max_seq_length}")
+        text, prefix = _split_answer_prefix(text, family)
+        records.append({"index": index, "input": text, "outputs": answers, "length": length, "answer_prefix": prefix})
+    return records
+
+
 def _step_down(attempt: Callable[[int], Any | None], start: int, incremental: int, what: str) -> Any:
     """Upstream's per-sample loop: regenerate at ``start``, step down by ``incremental`` until the sample fits.
 
@@ -489,17 +516,7 @@ def _generate_niah(task: RulerTask, max_seq_length: int, num_samples: int, count
     best = _binary_search(lambda n: count(gen(n)[0]) + ttg, max_seq_length, incremental, upper)
     num_haystack = best if best is not None else incremental
 
-    def attempt(n: int):
-        text, answers = gen(n)
-        length = count(text) + ttg
-        return (text, answers, length) if length <= max_seq_length else None
-
-    records = []
-    for index in range(num_samples):
-        text, answers, length = _step_down(attempt, num_haystack, incremental, f"{task.name} at L={max_seq_length}")
-        text, prefix = _split_answer_prefix(text, "niah")
-        records.append({"index": index, "input": text, "outputs": answers, "length": length, "answer_prefix": prefix})
-    return records
+    return _fitted_records(gen, count, ttg, max_seq_length, num_samples, num_haystack, incremental, "niah", task.name)
 
 
 # --- variable tracking (upstream scripts/data/synthetic/variable_tracking.py) ----------------------------------------
@@ -625,17 +642,9 @@ def _generate_cwe(task: RulerTask, max_seq_length: int, num_samples: int, count:
     best = _binary_search(lambda n: count(gen(n)[0]) + ttg, max_seq_length, incremental, upper)
     num_words = best if best is not None else incremental
 
-    def attempt(n: int):
-        text, answers = gen(n)
-        length = count(text) + ttg
-        return (text, answers, length) if length <= max_seq_length else None
-
-    records = []
-    for index in range(num_samples):
-        text, answers, length = _step_down(attempt, num_words, incremental, f"{task.name} at L={max_seq_length}")
-        text, prefix = _split_answer_prefix(text, "common_words_extraction")
-        records.append({"index": index, "input": text, "outputs": answers, "length": length, "answer_prefix": prefix})
-    return records
+    return _fitted_records(
+        gen, count, ttg, max_seq_length, num_samples, num_words, incremental, "common_words_extraction", task.name
+    )
 
 
 # --- frequent words extraction (upstream scripts/data/synthetic/freq_words_extraction.py) ----------------------------
@@ -793,17 +802,7 @@ def _generate_qa_synth(task: RulerTask, max_seq_length: int, num_samples: int, c
     best = _binary_search(lambda n: count(sample(n)[0]) + ttg, max_seq_length, incremental, upper)
     num_docs = best if best is not None else incremental
 
-    def attempt(n: int):
-        text, answers = sample(n)
-        length = count(text) + ttg
-        return (text, answers, length) if length <= max_seq_length else None
-
-    records = []
-    for index in range(num_samples):
-        text, answers, length = _step_down(attempt, num_docs, incremental, f"{task.name} at L={max_seq_length}")
-        text, prefix = _split_answer_prefix(text, "qa")
-        records.append({"index": index, "input": text, "outputs": answers, "length": length, "answer_prefix": prefix})
-    return records
+    return _fitted_records(sample, count, ttg, max_seq_length, num_samples, num_docs, incremental, "qa", task.name)
 
 
 _GENERATORS = {

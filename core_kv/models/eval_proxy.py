@@ -22,21 +22,10 @@ from pathlib import Path
 
 import torch
 
+from core_kv.eval.ruler import RULER_11
 from core_kv.io import atomic_write_json
 
-TASKS = (
-    "niah_single_1",
-    "niah_single_2",
-    "niah_single_3",
-    "niah_multikey_1",
-    "niah_multikey_2",
-    "niah_multikey_3",
-    "niah_multivalue",
-    "niah_multiquery",
-    "vt",
-    "cwe",
-    "fwe",
-)
+TASKS = RULER_11  # evaluated in RULER's order
 
 
 ANSWER_TOKENS = {  # proxy tokens of the longest correct answer (+ a margin): one number = 9, a UUID = 37, 4 numbers = 36
