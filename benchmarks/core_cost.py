@@ -10,9 +10,13 @@ method's KV payload and auxiliary bytes.
 
 The model is a random-weight Llama built from config (4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64,
 the shapes of ``benchmarks/twinkv_cost.py``) with an untrained CORE artifact fitted to it (cost depends on shapes,
-not weights); ``--model``/``--checkpoint`` measure a real model and artifact instead. Usage::
+not weights); ``--model``/``--checkpoint`` measure a real model and artifact instead. ``--shape llama-3.1-8b``
+builds the first ``--layers`` decoder layers of Llama-3.1-8B (hidden 4096, 32 query / 8 KV heads, head_dim 128,
+MLP 14336) with a 1,024-token vocabulary: CORE's per-layer cost against a real model's per-layer cost (the
+embedding and LM head are left out, which makes CORE's share pessimistic). Usage::
 
     .venv/bin/python benchmarks/core_cost.py --lengths 1024 2048 4096 8192 --repeats 3
+    .venv/bin/python benchmarks/core_cost.py --shape llama-3.1-8b --layers 2 --lengths 1024 2048 --modes one-shot
 """
 
 from __future__ import annotations
@@ -27,23 +31,35 @@ from pathlib import Path
 
 import torch
 
-MODEL = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=16384,
-)
+SHAPES = {
+    "tiny": dict(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,
+    ),
+    "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B config.json, vocabulary cut to 1,024, layers set by --layers
+        vocab_size=1024,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+    ),
+}
 DECODE_STEPS = 32
 
 
-def build_model():
+def build_model(shape: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="sdpa")).eval()
+    return LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).eval()
 
 
 def build_artifact(model, folder: Path) -> Path:
@@ -137,6 +153,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default=None, help="a local model folder (default: the config-built Llama)")
     ap.add_argument("--checkpoint", default=None, help="a CORE artifact for --model (default: untrained, fitted)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="config-built model shape")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of --shape (default: all of them)")
+    ap.add_argument("--modes", nargs="+", choices=["one-shot", "chunked"], default=["one-shot", "chunked"])
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -148,11 +167,14 @@ def main(argv=None) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
     else:
-        model = build_model()
+        shape = SHAPES[args.shape] | ({"num_hidden_layers": args.layers} if args.layers else {})
+        model = build_model(shape)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core")
         results = {}
-        for mode, chunk in (("one-shot", None), (f"chunked {args.chunk}", args.chunk)):
+        modes = [("one-shot", None)] * ("one-shot" in args.modes)
+        modes += [(f"chunked {args.chunk}", args.chunk)] * ("chunked" in args.modes)
+        for mode, chunk in modes:
             results[mode] = {}
             for n in args.lengths:
                 methods = presses(ckpt, args.ratio, n, chunk is not None)
@@ -167,7 +189,7 @@ def main(argv=None) -> None:
         "threads": args.threads,
         "repeats": args.repeats,
         "decode_steps": DECODE_STEPS,
-        "model": args.model or MODEL,
+        "model": args.model or shape,
         "base_parameters": base_params,
         "core_parameters": params,
         "core_parameters_share": params["total"] / base_params,

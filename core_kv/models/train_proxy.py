@@ -122,6 +122,7 @@ class TrainConfig:
     probe_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     probe_n: int = 10
     max_wall_s: float = 0.0  # >0: stop (and checkpoint) after this much wall time in this process
+    init_from: str = ""  # exported proxy folder to warm-start from (weights + tokenizer; fresh optimizer and steps)
 
     def __post_init__(self) -> None:
         if self.data_seed == 42 or self.probe_seed == 42:
@@ -295,14 +296,28 @@ def train(cfg: TrainConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "config.json", to_dict(cfg))
     tok_dir = out / "tokenizer"
+    ckpt = latest_checkpoint(out)
+    init = Path(cfg.init_from) if cfg.init_from and ckpt is None else None
+    if init is not None and not (init / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"init_from={init} is not an exported proxy folder (no tokenizer.json)")
     if not (tok_dir / "tokenizer.json").is_file():
-        build_proxy_tokenizer(cfg.base_vocab, cfg.key_word_tokens).save_pretrained(tok_dir)
+        if init is not None:
+            AutoTokenizer.from_pretrained(init).save_pretrained(tok_dir)
+        else:
+            build_proxy_tokenizer(cfg.base_vocab, cfg.key_word_tokens).save_pretrained(tok_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
 
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    ckpt = latest_checkpoint(out)
-    model = LlamaForCausalLM.from_pretrained(ckpt) if ckpt else build_model(cfg.model, tokenizer)
+    if ckpt:
+        model = LlamaForCausalLM.from_pretrained(ckpt)
+    elif init is not None:
+        model = LlamaForCausalLM.from_pretrained(init)
+        if (init / "training_log.jsonl").is_file():  # the earlier stage's curve, prepended at export
+            shutil.copy(init / "training_log.jsonl", out / "init_log.jsonl")
+        print(f"warm start from {init} (fresh optimizer, step 0)", flush=True)
+    else:
+        model = build_model(cfg.model, tokenizer)
     model.config._attn_implementation = "sdpa"
     model.to(cfg.device).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
@@ -460,6 +475,21 @@ def plot_loss(log_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
+def write_stage_log(out: Path, dst: Path) -> None:
+    """The run's log, preceded by the warm-start parent's (``init_log.jsonl``) with this run's steps offset past it,
+    so the exported curve covers every stage; each row keeps a ``stage`` number (0 = from scratch)."""
+    rows: list[dict] = []
+    if (out / "init_log.jsonl").is_file():
+        rows = [{"stage": 0, **r} for r in read_jsonl(out / "init_log.jsonl")]
+    offset = max((r["step"] for r in rows), default=0)
+    stage = max((r["stage"] for r in rows), default=-1) + 1
+    seen: dict[int, dict] = {}
+    for r in read_jsonl(out / "log.jsonl"):  # a resume re-logs the steps after its checkpoint: keep the last
+        seen[r["step"]] = {**r, "stage": stage, "step": r["step"] + offset}
+    rows += sorted(seen.values(), key=lambda r: r["step"])
+    dst.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
 def export(cfg: TrainConfig) -> Path:
     """Copy the last checkpoint to ``export_dir`` as a plain Hugging Face folder (fp32 safetensors + tokenizer)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -477,8 +507,8 @@ def export(cfg: TrainConfig) -> Path:
     state.pop("em_window", None)
     atomic_write_json(dst / "training_state.json", state)
     atomic_write_json(dst / "training_config.json", to_dict(cfg))
-    shutil.copy(out / "log.jsonl", dst / "training_log.jsonl")
-    plot_loss(out / "log.jsonl", dst / "loss_curve.png")
+    write_stage_log(out, dst / "training_log.jsonl")
+    plot_loss(dst / "training_log.jsonl", dst / "loss_curve.png")
     return dst
 
 
