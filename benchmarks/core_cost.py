@@ -25,22 +25,18 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from twinkv_cost import MODEL  # noqa: E402
+
 SHAPES = {
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16384,
-    ),
+    "tiny": MODEL,  # the shapes of benchmarks/twinkv_cost.py
     "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B config.json, vocabulary cut to 1,024, layers set by --layers
         vocab_size=1024,
         hidden_size=4096,
