@@ -25,6 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x tests
 
 test-slow: $(STAMP)
+	$(BIN)/pip install -q -e ".[deepspeed]"
 	$(BIN)/python -m pytest -q -m slow tests
 
 eval: $(STAMP)

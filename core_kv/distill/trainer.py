@@ -702,6 +702,7 @@ def train(cfg) -> dict:
             "parameters": tr.core.num_parameters_by_part(),
             "memory_state_bytes": tr.core.memory.state_bytes(),
             "num_processes": tr.acc.num_processes,
+            "distributed_type": str(tr.acc.distributed_type),
             "docs_per_step": cfg.micro_batch * cfg.grad_accum * tr.acc.num_processes,
             "artifact": str(final),
             "wall_s": time.perf_counter() - t0,
