@@ -259,3 +259,12 @@ def test_method_labels_and_report_table(data, tmp_path):
     assert "| full (reference) | 90.00 | 90.00 |" in md
     assert "| core | 80.00 | 60.50 |" in md
     assert "| core | 0.50 | 80.00 | 80.00 | 80.00 | 1.0 KiB | 3.0 KiB | 100 |" in md
+
+
+def test_press_options_of_methods_not_in_the_run_are_dropped_with_a_warning():
+    """A shipped grid config narrowed on the command line (methods=[snapkv]) keeps working."""
+    with pytest.warns(UserWarning, match=r"ignored: \['core'\]"):
+        cfg = load_config(
+            EvalConfig, ["methods=[snapkv]", "press_options={core: {checkpoint: x}, snapkv: {window_size: 8}}"]
+        )
+    assert cfg.press_options == {"snapkv": {"window_size": 8}}
