@@ -116,14 +116,19 @@ def greedy_answer(
     press: BasePress | None = None,
     eos_token_ids: list[int] | None = None,
     trim: bool = True,
+    stop_token_ids: list[int] | None = None,
 ) -> list[int]:
     """Feed ``question_ids`` on top of ``cache`` at positions ``context_length...`` and decode greedily.
+
+    Decoding ends at an eos token, or at a ``stop_token_ids`` token once at least one token was generated (neither
+    is returned).
 
     The press stays installed (ragged attention, decode-time eviction, memory readout) but does not compress
     the question unless it has ``decoding=True``. With ``trim`` the cache is restored to its pre-question size.
     """
     device = next(model.parameters()).device
     eos = set(eos_token_ids if eos_token_ids is not None else _eos_ids(model))
+    stop = set(stop_token_ids or ())
     before = [layer_lengths(layer) for layer in cache.layers]
     q = question_ids.to(device)
     pos = context_length
@@ -136,7 +141,7 @@ def greedy_answer(
             out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{key: cache})
             pos += ids.shape[1]
             token = int(out.logits[0, -1].argmax())
-            if token in eos:
+            if token in eos or (generated and token in stop):
                 break
             generated.append(token)
             ids = torch.tensor([[token]], device=device)
@@ -154,6 +159,19 @@ def _eos_ids(model: nn.Module) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
+_NEWLINE_IDS: dict[tuple[int, int], list[int]] = {}
+
+
+def newline_token_ids(tokenizer) -> list[int]:
+    """Ids of every vocabulary token whose decoded text contains a newline (cached per tokenizer)."""
+    key = (id(tokenizer), len(tokenizer))
+    if key not in _NEWLINE_IDS:
+        ids = range(len(tokenizer))
+        texts = tokenizer.batch_decode([[i] for i in ids])
+        _NEWLINE_IDS[key] = [i for i, t in zip(ids, texts, strict=True) if "\n" in t]
+    return _NEWLINE_IDS[key]
+
+
 def answer_questions(
     model: nn.Module,
     tokenizer,
@@ -165,12 +183,15 @@ def answer_questions(
     chunk_size: int | None = None,
     use_chat_template: bool | None = None,
     max_context_length: int | None = None,
+    stop_at_newline: bool = False,
 ) -> dict:
     """Compress ``context`` once and answer every question on that cache.
 
+    ``stop_at_newline`` ends each answer before the first token after the first one whose text contains a newline.
     Returns ``{"answers": [str], "context_length": N, "kv_bytes": {...}, "aux_bytes": int}``.
     """
     enc = encode(tokenizer, context, questions, answer_prefixes, use_chat_template, max_context_length)
+    stop = newline_token_ids(tokenizer) if stop_at_newline else None
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(questions)
     n = enc.context_ids.shape[1]
     answers, cache = [], None
@@ -180,6 +201,6 @@ def answer_questions(
             if i == 0:
                 payload = kv_bytes(cache)
                 aux = press.aux_bytes() if press is not None else 0
-        tokens = greedy_answer(model, cache, n, q_ids, budget, press)
+        tokens = greedy_answer(model, cache, n, q_ids, budget, press, stop_token_ids=stop)
         answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
     return {"answers": answers, "context_length": n, "kv_bytes": payload, "aux_bytes": aux}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +189,28 @@ def test_ratio_is_a_share_of_everything_seen_in_chunked_prefill_and_decoding(lla
     seen = 256 + 6 + 19  # the last generated token is never fed
     kept = kv_bytes(cache)["tokens_per_head"][0][0]
     assert seen // 2 <= kept <= seen // 2 + 8
+
+
+def test_stop_tokens_end_the_answer_only_after_it_began(llama):
+    g = torch.Generator().manual_seed(5)
+    ids, q = torch.randint(0, 256, (1, 120), generator=g), torch.randint(0, 256, (1, 4), generator=g)
+    full = greedy_answer(llama, prefill(llama, ids), 120, q, 12, eos_token_ids=[])
+    later = next(t for t in full[1:] if t != full[0])  # a token first generated after position 0
+    cut = full.index(later)
+    assert greedy_answer(llama, prefill(llama, ids), 120, q, 12, eos_token_ids=[], stop_token_ids=[later]) == full[:cut]
+    # the first generated token never stops decoding: the answer runs on to that token's next occurrence (or the end)
+    first = full[0]
+    nxt = full.index(first, 1) if first in full[1:] else len(full)
+    assert greedy_answer(llama, prefill(llama, ids), 120, q, 12, eos_token_ids=[], stop_token_ids=[first]) == full[:nxt]
+
+
+def test_newline_token_ids_are_exactly_the_tokens_with_a_newline():
+    from transformers import AutoTokenizer
+
+    from core_kv.pipeline import newline_token_ids
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "checkpoints" / "proxy-lm")
+    ids = set(newline_token_ids(tok))
+    texts = tok.batch_decode([[i] for i in range(len(tok))])
+    assert ids == {i for i, t in enumerate(texts) if "\n" in t}
+    assert tok.encode("\n", add_special_tokens=False)[0] in ids and len(ids) < len(tok) // 4

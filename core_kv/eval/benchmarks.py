@@ -64,12 +64,17 @@ class GenerationConfig:
         chunk_size: chunked prefill (each chunk attends to the compressed past); ``None`` prefills at once.
         use_chat_template: ``None`` uses the tokenizer's chat template when it has one.
         max_context_length: keep only the first tokens of each context (kvpress's head truncation); ``None`` keeps all.
+        stop_at_newline: also end an answer at a token whose text contains a newline, once the answer has begun
+            (lm-eval's ``until: ["\\n"]``). Off by default (RULER decodes to the budget); for a small model that
+            never emits eos it cuts decoding several-fold without changing a string-match score that the answer
+            line decides.
     """
 
     max_new_tokens: int | None = None
     chunk_size: int | None = None
     use_chat_template: bool | None = None
     max_context_length: int | None = None
+    stop_at_newline: bool = False
 
     def __post_init__(self):
         for name in ("max_new_tokens", "chunk_size", "max_context_length"):
@@ -148,6 +153,7 @@ class Benchmark:
             chunk_size=gen.chunk_size,
             use_chat_template=gen.use_chat_template,
             max_context_length=gen.max_context_length,
+            stop_at_newline=gen.stop_at_newline,
         )
         return [
             {
