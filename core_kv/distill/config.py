@@ -15,11 +15,11 @@ from core_kv.teacher.run import DataSpec, ModelSpec, TeacherConfig
 
 def _proxy_teacher() -> TeacherConfig:
     """The proxy teacher run the default training builds or reuses: the values of ``configs/teacher/default.yaml``
-    (16 documents of 1.5–2k tokens, chunk 512, λ = 2, R0 = 8, ratios 0.75/0.9), so both entry points share data."""
+    (32 documents of 1.5–2k tokens, chunk 512, λ = 2, R0 = 8, ratios 0.75/0.9), so both entry points share data."""
     return TeacherConfig(
         out_dir="runs/teacher/proxy",
         model=ModelSpec(path="checkpoints/proxy-lm"),
-        data=DataSpec(source="proxy", num_docs=16, calib_docs=8, min_len=1536, max_len=2048),
+        data=DataSpec(source="proxy", num_docs=32, calib_docs=8, min_len=1536, max_len=2048),
         chunk_size=512,
         lam=2.0,
         steps=8,
@@ -36,9 +36,9 @@ class IndexerStage:
     full cache at each event), then ``steps`` on-policy steps replaying documents with the student's own retained
     sets (CORE.md stage 2)."""
 
-    warmup_steps: int = 200
+    warmup_steps: int = 300
     records_per_micro: int = 16  # teacher records (event × layer) per micro-batch in the warm-up
-    steps: int = 40
+    steps: int = 80
     lr: float = 1.0e-3
     weight_decay: float = 0.01
     warmup_lr_steps: int = 8
@@ -60,7 +60,7 @@ class CalibrationStage:
 class MemoryStage:
     """Stage 4: ``W_φ`` and the gate, base model / indexer / temperatures frozen."""
 
-    steps: int = 40
+    steps: int = 64
     lr: float = 2.0e-3
     weight_decay: float = 0.0
     warmup_lr_steps: int = 8
@@ -93,7 +93,7 @@ class TrainConfig:
     out_dir: str = "checkpoints/core-proxy"
     teacher: TeacherConfig = field(default_factory=_proxy_teacher)
     build_teacher: bool = True
-    train_docs: int = 16
+    train_docs: int = 32
     calib_docs: int = 6
     eval_docs: int = 6
     ratios: list[float] = field(default_factory=lambda: [0.75, 0.9, 0.5])
