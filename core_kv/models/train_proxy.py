@@ -461,8 +461,9 @@ def plot_loss(log_path: Path, png: Path) -> None:
     a.legend()
     b.plot(step, [r["train_em"] for r in rows], label="train exact match", alpha=0.5)
     probes = [r for r in rows if "probe" in r]
-    for key in sorted(probes[0]["probe"]) if probes else []:
-        b.plot([r["step"] for r in probes], [r["probe"][key] for r in probes], marker="o", ms=3, label=key)
+    for key in sorted({k for r in probes for k in r["probe"]}):  # stages may probe different cells
+        pts = [(r["step"], r["probe"][key]) for r in probes if key in r["probe"]]
+        b.plot(*zip(*pts, strict=True), marker="o", ms=3, label=key)
     b.set_xlabel("step")
     b.set_ylim(-0.02, 1.02)
     b.legend(fontsize=6)
