@@ -18,6 +18,7 @@ from core_kv.eval.runner import EvalConfig, cell_dir, run_eval
 from core_kv.eval.schema import Sample
 from core_kv.io import read_jsonl
 from core_kv.models.loading import ContextWindowError
+from core_kv.presses import PRESSES
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = [("full", 0.0), ("knorm", 0.25), ("knorm", 0.5), ("snapkv", 0.25), ("snapkv", 0.5)]
@@ -268,3 +269,24 @@ def test_press_options_of_methods_not_in_the_run_are_dropped_with_a_warning():
             EvalConfig, ["methods=[snapkv]", "press_options={core: {checkpoint: x}, snapkv: {window_size: 8}}"]
         )
     assert cfg.press_options == {"snapkv": {"window_size": 8}}
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "eval").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_eval_yaml_loads(path):
+    """Every shipped evaluation config names registered presses and benchmarks and valid options."""
+    cfg = load_config(EvalConfig, [str(path)])
+    assert cfg.methods or cfg.reference
+    for name in cfg.methods:
+        kind = cfg.press_options.get(name, {}).get("kind", name)
+        assert kind in PRESSES, f"{path.name}: unknown press {kind!r}"
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "proxy").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_proxy_yaml_loads(path):
+    from core_kv.models.train_proxy import TrainConfig
+
+    cfg = load_config(TrainConfig, [str(path)])
+    assert cfg.phases and all(p.min_len <= p.max_len for p in cfg.phases)
