@@ -1,11 +1,11 @@
 """Tables and a compression-curve plot from one or more ``eval.py`` fidelity results folders (docs/results.md).
 
 Each folder's cells (``<benchmark>__<model>__<method>__<ratio>/metrics.json``) become rows; a ``label=folder``
-argument prefixes that folder's methods (e.g. ``chunk512=results/core_fidelity_snapshot_chunk512``) so one-shot and
-chunked runs of the same press sit side by side. Usage::
+argument prefixes that folder's methods (e.g. ``chunk512=results/core_fidelity_chunk512``) so one-shot and
+chunked runs of the same press sit side by side. Usage (docs/results.md, CORE ablations)::
 
-    .venv/bin/python benchmarks/core_fidelity_table.py results/core_fidelity_snapshot \\
-        chunk512=results/core_fidelity_snapshot_chunk512 --plot docs/figures/core_fidelity_curve.png
+    .venv/bin/python benchmarks/core_fidelity_table.py results/core_fidelity_proxy results/fidelity_proxy \\
+        --plot docs/figures/core_fidelity_proxy.png
 """
 
 from __future__ import annotations
