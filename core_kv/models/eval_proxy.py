@@ -80,6 +80,7 @@ def evaluate(
     scores: dict[str, dict[int, float]] = {}
     seconds: dict[str, dict[int, float]] = {}
     preds = []
+    res = {"model": str(model_dir), "n": n, "cap": cap, "scores": scores, "seconds": seconds, "predictions": preds}
     for length in lengths:
         for task in tasks:
             t0 = time.time()
@@ -88,33 +89,25 @@ def evaluate(
             except ValueError as e:  # e.g. an essay task whose 500-word haystack step does not fit at this length
                 print(f"{task:18s} L={length:5d} skipped: {e}", flush=True)
                 scores.setdefault(task, {})[length] = None
-                continue
-            total = 0.0
-            for rec in records:
-                ids = tok(rec["input"] + rec["answer_prefix"], return_tensors="pt")["input_ids"]
-                gen = model.generate(
-                    ids,
-                    do_sample=False,
-                    max_new_tokens=min(rec["max_new_tokens"], cap, ANSWER_TOKENS.get(task, cap)),
-                    pad_token_id=tok.pad_token_id,
-                )
-                pred = tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
-                s = string_match_all(pred, rec["outputs"])
-                total += s
-                preds.append({"task": task, "length": length, "tokens": ids.shape[1], "pred": pred,
-                              "outputs": rec["outputs"], "score": s})  # fmt: skip
-            scores.setdefault(task, {})[length] = round(100 * total / len(records), 2)
-            seconds.setdefault(task, {})[length] = round(time.time() - t0, 1)
-            print(f"{task:18s} L={length:5d} n={len(records)} score={scores[task][length]:6.2f} "
-                  f"({seconds[task][length]:.0f}s)", flush=True)  # fmt: skip
-            res = {
-                "model": str(model_dir),
-                "n": n,
-                "cap": cap,
-                "scores": scores,
-                "seconds": seconds,
-                "predictions": preds,
-            }
+            else:
+                total = 0.0
+                for rec in records:
+                    ids = tok(rec["input"] + rec["answer_prefix"], return_tensors="pt")["input_ids"]
+                    gen = model.generate(
+                        ids,
+                        do_sample=False,
+                        max_new_tokens=min(rec["max_new_tokens"], cap, ANSWER_TOKENS.get(task, cap)),
+                        pad_token_id=tok.pad_token_id,
+                    )
+                    pred = tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
+                    s = string_match_all(pred, rec["outputs"])
+                    total += s
+                    preds.append({"task": task, "length": length, "tokens": ids.shape[1], "pred": pred,
+                                  "outputs": rec["outputs"], "score": s})  # fmt: skip
+                scores.setdefault(task, {})[length] = round(100 * total / len(records), 2)
+                seconds.setdefault(task, {})[length] = round(time.time() - t0, 1)
+                print(f"{task:18s} L={length:5d} n={len(records)} score={scores[task][length]:6.2f} "
+                      f"({seconds[task][length]:.0f}s)", flush=True)  # fmt: skip
             if out:
                 atomic_write_json(Path(out), res)
     return res
