@@ -12,6 +12,7 @@ are re-prefilled per question (decode-time eviction changes the shared context, 
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -159,17 +160,19 @@ def _eos_ids(model: nn.Module) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-_NEWLINE_IDS: dict[tuple[int, int], list[int]] = {}
+# tokenizer -> (vocabulary size, ids); weak keys: an entry dies with its tokenizer, so a new tokenizer that reuses
+# a freed object's id never sees a stale entry
+_NEWLINE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def newline_token_ids(tokenizer) -> list[int]:
-    """Ids of every vocabulary token whose decoded text contains a newline (cached per tokenizer)."""
-    key = (id(tokenizer), len(tokenizer))
-    if key not in _NEWLINE_IDS:
+    """Ids of every vocabulary token whose decoded text contains a newline (cached per tokenizer and vocab size)."""
+    cached = _NEWLINE_IDS.get(tokenizer)
+    if cached is None or cached[0] != len(tokenizer):
         ids = range(len(tokenizer))
         texts = tokenizer.batch_decode([[i] for i in ids])
-        _NEWLINE_IDS[key] = [i for i, t in zip(ids, texts, strict=True) if "\n" in t]
-    return _NEWLINE_IDS[key]
+        cached = _NEWLINE_IDS[tokenizer] = (len(tokenizer), [i for i, t in zip(ids, texts, strict=True) if "\n" in t])
+    return cached[1]
 
 
 def answer_questions(
