@@ -57,6 +57,20 @@ def test_tokenizer_round_trip_digits_and_keys(tok):
         assert len(tok.tokenize(" " + key)) == len(pre.pre_tokenize_str(" " + key)), key
 
 
+def test_uuids_are_single_characters(tok):
+    import uuid
+
+    cfg_file = CKPT / "training_config.json"
+    if not json.loads(cfg_file.read_text()).get("uuid_chars", False):
+        pytest.skip("shipped tokenizer predates uuid_chars")
+    assert tok.tokenize(" e3e70682-c209-4cac-a29f-6fbed82c07cd") == ["Ġ", *"e3e70682-c209-4cac-a29f-6fbed82c07cd"]
+    rng = random.Random(0)
+    uuids = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(500)]
+    exact = sum(tok.tokenize(" " + u) == ["Ġ", *u] for u in uuids)
+    assert exact >= 0.9 * len(uuids)  # 92.6% measured on 20,000 (letter runs far from digits may still merge)
+    assert all(tok.decode(tok(" " + u)["input_ids"], skip_special_tokens=True) == " " + u for u in uuids)
+
+
 def test_plain_bpe_option_keeps_base_vocab():
     from core_kv.models.proxy_tokenizer import NOISE_LINE, build_tokenizer
 

@@ -84,3 +84,111 @@ def test_warm_start_keeps_weights_and_tokenizer_and_chains_the_log(straight, tmp
 def test_warm_start_refuses_a_folder_without_tokenizer(tmp_path):
     with pytest.raises(FileNotFoundError, match="not an exported proxy folder"):
         train(_cfg(tmp_path / "run", init_from=str(tmp_path)))
+
+
+def test_micro_batches_group_by_length_within_the_token_cap():
+    from core_kv.models.train_proxy import micro_batches
+
+    lengths = [100, 900, 120, 480, 500, 3000, 110]
+    groups = micro_batches(lengths, max_tokens=1000)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every sequence exactly once
+    assert groups[0] == [5]  # longer than the cap: alone
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 1000
+    assert [4, 3] in groups and [2, 6, 0] in groups  # similar lengths share a forward pass
+
+
+def test_micro_batched_step_equals_one_padded_batch(tmp_path):
+    """Length-bucketed forward/backward passes give the loss and gradients of one padded batch (naive reference:
+    mean LM cross-entropy over the selected targets + answer_weight x mean answer cross-entropy + attn_weight x mean
+    retrieval-head cross-entropy, the last from eager attention probabilities)."""
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer
+
+    from core_kv.models.proxy_data import Generator
+    from core_kv.models.train_proxy import (
+        ModelConfig,
+        RetrievalHead,
+        build_model,
+        build_proxy_tokenizer,
+        collate,
+        lm_selection,
+        train_step_loss,
+    )
+
+    cfg = _cfg(tmp_path, lm_fraction=0.5, answer_weight=3.0, attn_weight=0.7, attn_layer=-1, attn_head=1)
+    cfg.model.num_hidden_layers, cfg.model.num_attention_heads = 2, 4  # GQA: query head 1 reads the one KV head
+    build_proxy_tokenizer(512, key_words=False).save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**OmegaConf.to_container(OmegaConf.structured(cfg.model))), tok)
+    model.config._attn_implementation = "eager"
+    seqs = Generator(tok, seed=5).batch({"niah_single_1": 1, "mk_noise": 1, "copy": 1}, 60, 200, 1500)
+    assert len({len(s.ids) for s in seqs}) > 1 and any(x >= 0 for s in seqs for x in s.src)
+
+    head = RetrievalHead(model, -1, 1)
+    lm, ans, attn, _ = train_step_loss(model, seqs, tok.pad_token_id, cfg, torch.Generator().manual_seed(9), 400, head)
+    head.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    batch = collate(seqs, tok.pad_token_id, lm_selection(seqs, 0.5, torch.Generator().manual_seed(9)))
+    ids, keep, answer, src = batch
+    out = model(input_ids=ids, output_attentions=True)
+    logits = out.logits[:, :-1].float()
+    tgt, keep, answer, src = ids[:, 1:], keep[:, 1:], answer[:, 1:], src[:, 1:]
+    ref_lm = F.cross_entropy(logits[keep], tgt[keep])
+    ref_ans = F.cross_entropy(logits[answer > 0], tgt[answer > 0])
+    probs = out.attentions[-1][:, 1, :-1]  # (B, T-1, T): query t of head 1 in the last layer
+    rows = (src >= 0).nonzero(as_tuple=True)
+    ref_attn = -probs[rows[0], rows[1], src[rows]].log().mean()
+    (ref_lm + 3.0 * ref_ans + 0.7 * ref_attn).backward()
+    assert lm == pytest.approx(ref_lm.item(), rel=1e-5) and ans == pytest.approx(ref_ans.item(), rel=1e-5)
+    assert attn == pytest.approx(ref_attn.item(), rel=1e-4)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_answer_tokens_point_at_their_needle_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    from core_kv.models.proxy_data import Generator
+    from core_kv.models.train_proxy import build_proxy_tokenizer
+
+    build_proxy_tokenizer(512, key_words=False, uuid_chars=True).save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    gen = Generator(tok, seed=8)
+    for task in ("niah_single_1", "niah_multikey_3", "niah_multivalue", "niah_multiquery", "mk_noise"):
+        s = gen.sample(task, 400)
+        answer = [i for i, a in enumerate(s.ans) if a > 0]
+        mapped = [i for i in answer if s.src[i] >= 0]
+        assert len(mapped) >= len(answer) - 3, task  # all but the ", " separators of a 4-value answer
+        first_answer = answer[0]
+        for i in mapped:
+            j = s.src[i]
+            assert s.ids[j] == s.ids[i] and j < first_answer, task  # the same token, inside the context
+        # consecutive answer tokens of one value come from consecutive needle tokens
+        pairs = [a for a in mapped if a + 1 in mapped]
+        assert pairs and all(s.src[a + 1] == s.src[a] + 1 for a in pairs), task
+    assert all(x == -1 for x in gen.sample("vt", 300).src)
+
+
+def test_bf16_export_loads_as_fp32_and_replaces_the_folder_whole(straight, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    out, ckpt = straight
+    dst = tmp_path / "export"
+    dst.mkdir()
+    (dst / "stale.json").write_text("{}")  # a file of an earlier export: gone after the swap
+    export(_cfg(out, export_dir=str(dst), export_dtype="bfloat16"))
+    assert not (dst / "stale.json").exists() and not (tmp_path / "export.tmp").exists()
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    model = AutoModelForCausalLM.from_pretrained(dst)
+    params = model.state_dict()
+    for name, w in _weights(ckpt).items():
+        assert params[name].dtype == torch.float32, name
+        torch.testing.assert_close(params[name], w.to(torch.bfloat16).float(), rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="export_dtype"):
+        _cfg(out, export_dtype="int8")

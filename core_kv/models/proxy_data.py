@@ -119,6 +119,9 @@ class Sequence:
     lm: list[int]  # 0 = not in the LM loss, 1 = sampled into it, 2 = always in it (question after the context)
     ans: list[int]  # k > 0 = token of the k-th answer, 0 = not an answer
     task: str
+    # position of the context token an answer token copies (the same token of the needle's value), -1 = none:
+    # the target of the retrieval-head attention loss (``train_proxy.TrainConfig.attn_weight``)
+    src: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -130,11 +133,14 @@ class Generator:
         seed: Any seed but 42.
         kvpress_newline: Probability of the kvpress join ``question + " \\n" + answer_prefix`` instead of RULER's
             plain ``input + answer_prefix`` (both layouts occur in evaluation harnesses).
+        extra_questions: Needle haystacks (every line is a needle) get 1 to this many extra questions on distractor
+            lines with probability 0.6: more key-matching targets per sequence.
     """
 
     tokenizer: object
     seed: int
     kvpress_newline: float = 0.3
+    extra_questions: int = 2
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +152,10 @@ class Generator:
         self.sents = training_sentences()
         self.sent_tokens = [len(x) for x in self._tok(list(self.sents))]
         self.noise_tokens = len(self._tok([NOISE_LINE])[0]) + 1
+        # single-character tokens random values are made of (digits, UUID hex letters): out of the LM loss where
+        # they are first drawn
+        chars = (self.tokenizer.convert_tokens_to_ids(c) for c in "0123456789abcdef")
+        self.random_chars = {i for i in chars if i is not None and i != self.tokenizer.unk_token_id}
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _tok(self, texts: list[str]) -> list[list[int]]:
@@ -255,7 +265,7 @@ class Generator:
             context = self._essay_context(needles, budget)
         else:
             line_tokens = len(self._tok([needles[0]])[0]) + 1
-            n_extra = r.randint(1, 2) if r.random() < 0.6 else 0  # extra questions on distractor lines
+            n_extra = r.randint(1, self.extra_questions) if r.random() < 0.6 else 0  # on distractor lines
             n = max((budget - n_extra * (line_tokens + 30)) // line_tokens, 1)
             dk = [self._uuid() for _ in range(n)] if task == "niah_multikey_3" else self._keys(n)
             dv = [value() for _ in range(n)]
@@ -284,21 +294,25 @@ class Generator:
         """Needle lines, then the same lines repeated: the repeat is predictable only by copying (an induction head),
         the circuit that retrieval is built on, and it supervises every repeated token instead of ~9 answer tokens."""
         r = self.rng.random()
-        if r < 0.5:  # distinct adjectives: every repeated token is unique, so one-token induction suffices
+        if r < 0.4:  # distinct adjectives: every repeated token is unique, so one-token induction suffices
             n = max(1, (length - 2) // 2)
             text = " ".join(self.rng.sample(self.adjs, min(n, len(self.adjs))))
-        elif r < 0.75:  # needle lines
+        elif r < 0.6:  # needle lines
             n = max(1, (length - 2) // 2 // 21)
             text = "\n".join(
                 NEEDLE.format(type_needle_v="numbers", key=self._key(), value=self._number()) for _ in range(n)
+            )
+        elif r < 0.8:  # UUID needle lines: 36 single-character tokens per value with a uuid_chars tokenizer
+            n = max(1, (length - 2) // 2 // 50)
+            text = "\n".join(
+                NEEDLE.format(type_needle_v="uuids", key=self._key(), value=self._uuid()) for _ in range(n)
             )
         else:  # bare keys and numbers
             n = max(1, (length - 2) // 2 // 6)
             text = " ".join(self._key() if self.rng.random() < 0.5 else self._number() for _ in range(n))
         first = self._tok([text + "\n"])[0]
         ids = [self.tokenizer.bos_token_id, *first, *first]
-        digits = {self.tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
-        lm = [0] + [0 if t in digits else 1 for t in first] + [2] * len(first)
+        lm = [0] + [0 if t in self.random_chars else 1 for t in first] + [2] * len(first)
         return Sequence(ids, lm, [0] * len(ids), "copy")
 
     def _vt(self, length: int) -> Sequence:
@@ -334,7 +348,8 @@ class Generator:
         return self._encode([(text, 0), (" ".join(names), 1)], [str(value)], "vt")
 
     def _encode(self, segments: list[tuple[str, int]], values: list[str], task: str) -> Sequence:
-        """Tokenize segments separately (as evaluation prompt and greedy answer are); mask random values in prompts."""
+        """Tokenize segments separately (as evaluation prompt and greedy answer are); mask random values in prompts;
+        point every answer token that copies a needle value at its source token in the context (``Sequence.src``)."""
         enc = self.tokenizer([s for s, _ in segments], add_special_tokens=False, return_offsets_mapping=True)
         ids, lm, ans = [self.tokenizer.bos_token_id], [0], [0]
         pattern = re.compile("|".join(re.escape(v) for v in values)) if values else None
@@ -352,7 +367,35 @@ class Generator:
             q = max(text.rfind("\nWhat "), text.rfind("\nQuestion: "))
             lm.extend(0 if any(hidden[a:b]) else (2 if 0 <= q <= a else 1) for a, b in offsets)
             ans.extend([0] * len(seg_ids))
-        return Sequence(ids, lm, ans, task)
+        src = self._sources(segments, enc["offset_mapping"], values, len(ids))
+        return Sequence(ids, lm, ans, task, src)
+
+    @staticmethod
+    def _sources(segments, offsets, values: list[str], n: int) -> list[int]:
+        """``src`` of :class:`Sequence`: an answer token of ``" {value}"`` (and the ``.`` after it) copies the token
+        at the same character of the needle's ``": {value}."`` in the context (segment 0), when both tokenize alike."""
+        src = [-1] * n
+        ctx, ctx_off = segments[0][0], offsets[0]
+        tok_at = [-1] * (len(ctx) + 1)
+        for j, (a, b) in enumerate(ctx_off):
+            for c in range(a, b):
+                tok_at[c] = j
+        start = 1  # bos
+        for (text, qa), off in zip(segments, offsets, strict=True):
+            for v in values if qa else ():
+                a0 = text.find(" " + v)
+                c0 = ctx.find(": " + v) + 1
+                if a0 < 0 or c0 <= 0:
+                    continue
+                end_a, end_c = a0 + 1 + len(v), c0 + 1 + len(v)
+                span = 1 + len(v) + (text[end_a : end_a + 1] == "." == ctx[end_c : end_c + 1])  # " {value}" (+ ".")
+                for j, (a, b) in enumerate(off):
+                    if a0 <= a < a0 + span:
+                        k = tok_at[c0 + a - a0]
+                        if k >= 0 and ctx_off[k] == (c0 + a - a0, c0 + b - a0):
+                            src[start + j] = 1 + k
+            start += len(off)
+        return src
 
     def batch(self, mix: dict[str, float], lo: int, hi: int, tokens: int) -> list[Sequence]:
         """One batch: a length drawn from ``[lo, hi]``, tasks drawn from ``mix``, sequences added until the batch

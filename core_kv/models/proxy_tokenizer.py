@@ -9,6 +9,11 @@ recipe is the measured one of ``shared/research/proxy_feasibility.md`` ("Exact f
   ``" capable-percent"`` into ``Ġcapable``, ``-``, ``percent``; BPE merges are appended until every ``Ġ{adjective}``
   and every ``{noun}`` of wonderwords 2.2.0 is a single token, so a key costs 3 tokens. The feasibility note found
   multikey at chance with 4-10 pieces per key; whole-word keys make key matching a 3-token induction problem.
+- ``uuid_chars``: every hexadecimal letter within three characters of a digit is its own pre-token, so a RULER UUID
+  (``str(uuid4)``) is usually ``Ġ`` + 36 single-character tokens, like a number is ``Ġ`` + 7 digits, instead of a mix
+  of digits and BPE letter runs (``fa``, ``bed``). Exactly character-level for 92.6% of random UUIDs; the rest hold a
+  letter run farther than three characters from any digit (e.g. an all-letter 4-character group), which BPE may
+  merge. English is unaffected except for the rare letter glued to a digit (``3d`` -> ``3``, ``d``).
 - ``<|endoftext|>`` is bos, eos and pad; the post-processor prepends it (Llama-style), while
   ``tokenizer.tokenize(text)`` (RULER's token counter) adds nothing.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL = "<|endoftext|>"
@@ -36,10 +41,14 @@ def key_word_pieces(adjectives: Iterable[str], nouns: Iterable[str]) -> list[str
     return sorted(pieces)
 
 
-def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+# A hex letter at most three characters from a digit (fixed-length look-arounds: Oniguruma has no unbounded ones).
+HEX_LETTER_NEAR_DIGIT = r"(?<=[0-9]|[0-9][a-f]|[0-9][a-f][a-f])[a-f]|[a-f](?=[0-9]|[a-f][0-9]|[a-f][a-f][0-9])"
+
+
+def _pre_tokenizer(uuid_chars: bool = False) -> pre_tokenizers.PreTokenizer:
+    steps = [pre_tokenizers.Split(Regex(HEX_LETTER_NEAR_DIGIT), "isolated")] if uuid_chars else []
+    steps += [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    return pre_tokenizers.Sequence(steps)
 
 
 def build_tokenizer(
@@ -48,6 +57,7 @@ def build_tokenizer(
     nouns: Iterable[str],
     base_vocab: int = 4096,
     key_words: bool = True,
+    uuid_chars: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``corpus`` and (``key_words``) extend its merges so every key word is one token.
 
@@ -59,12 +69,13 @@ def build_tokenizer(
         key_words: Append the key-word merges. ``False`` gives the plain BPE of the feasibility note (vocab exactly
             ``base_vocab``, keys split into several pieces, every token frequent), which learned to copy on the CPU
             budget where the whole-word vocabulary (~16k mostly rare tokens) did not.
+        uuid_chars: One token per character of a UUID (see the module docstring).
 
     Returns:
         The wrapped tokenizer; ``len(tok)`` is the vocabulary size the model must use.
     """
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = _pre_tokenizer()
+    bpe.pre_tokenizer = _pre_tokenizer(uuid_chars)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=base_vocab,
@@ -113,16 +124,25 @@ def build_tokenizer(
     )
 
 
-def default_corpus(essays: Iterable[str], adjectives: Iterable[str], nouns: Iterable[str]) -> list[str]:
-    """Tokenizer training text: essays, the noise line, and each key word in a needle sentence (so BPE learns
-    the template words; the key words themselves are forced afterwards)."""
+def default_corpus(
+    essays: Iterable[str], adjectives: Iterable[str], nouns: Iterable[str], key_sentences: int | None = None
+) -> list[str]:
+    """Tokenizer training text: essays, the noise line, and key words in needle sentences (so BPE learns the
+    template words; the key words themselves are forced afterwards).
+
+    Args:
+        key_sentences: Needle sentences to include; ``None`` = one per noun (6,786 with wonderwords 2.2.0, which then
+            outweigh the essays in the BPE statistics: 1.50 tokens per held-out essay word at ``base_vocab`` 8192,
+            against 1.45 with 200 sentences).
+    """
     adjectives, nouns = list(adjectives), list(nouns)
     lines = list(essays)
     lines += [NOISE_LINE] * 200
+    pairs = list(zip(adjectives * (len(nouns) // len(adjectives) + 1), nouns, strict=False))
     lines += [
         f"One of the special magic numbers for {a}-{n} is: 1234567. What is the special magic number for {a}-{n} "
         f"mentioned in the provided text? The special magic number for {a}-{n} mentioned in the provided text is"
-        for a, n in zip(adjectives * (len(nouns) // len(adjectives) + 1), nouns, strict=False)
+        for a, n in pairs[:key_sentences]
     ]
     lines += [
         "Memorize and track the chain(s) of variable assignment hidden in the following text. VAR ABCDE = 12345 "

@@ -62,6 +62,11 @@ class ModelConfig:
     intermediate_size: int = 576
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    # >0: at init, every adjective token and every noun token of the RULER key lists gets a shared random component
+    # (one per list, this many times the init std per dimension), so "a key word" is one direction from step 0.
+    # 6.8k nouns are rare tokens whose embeddings otherwise stay random and unrelated (mean cosine 0.01).
+    key_word_init: float = 0.0
 
 
 @dataclass
@@ -94,6 +99,8 @@ class TrainConfig:
     probe_seed: int = 777  # fixed probe prompts for the periodic evaluation
     base_vocab: int = 4096  # BPE size before the key-word merges
     key_word_tokens: bool = True  # False: plain BPE of base_vocab tokens (feasibility recipe), keys split into pieces
+    uuid_chars: bool = False  # one token per UUID character (proxy_tokenizer)
+    key_sentences: int = -1  # needle sentences in the BPE corpus; -1 = one per noun
     model: ModelConfig = field(default_factory=ModelConfig)
     phases: list[Phase] = field(default_factory=lambda: [Phase()])
     total_steps: int = 3000
@@ -105,7 +112,12 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
     answer_weight: float = 3.0
-    lm_fraction: float = 0.25  # share of LM-loss positions scored per step (the 14k-way head is the costly part)
+    extra_questions: int = 2  # at most this many extra questions on a needle haystack's distractor lines
+    attn_weight: float = 0.0  # >0: retrieval-head loss on head attn_head of layer attn_layer (RetrievalHead)
+    attn_layer: int = -1
+    attn_head: int = 0
+    lm_fraction: float = 0.25  # share of LM-loss positions scored per step (the vocabulary-wide head is costly)
+    micro_batch_tokens: int = 2048  # padded tokens per forward pass (length-bucketed; at least 2 x the max_len)
     advance_tasks: list[str] = field(
         default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "mk_noise"]
     )
@@ -123,6 +135,7 @@ class TrainConfig:
     probe_n: int = 10
     max_wall_s: float = 0.0  # >0: stop (and checkpoint) after this much wall time in this process
     init_from: str = ""  # exported proxy folder to warm-start from (weights + tokenizer; fresh optimizer and steps)
+    export_dtype: str = "float32"  # storage dtype of the exported weights (float32 | bfloat16); always loads as fp32
 
     def __post_init__(self) -> None:
         if self.data_seed == 42 or self.probe_seed == 42:
@@ -131,10 +144,14 @@ class TrainConfig:
             raise ValueError(f"mode must be train or export, got {self.mode!r}")
         if not self.phases:
             raise ValueError("at least one phase is needed")
+        if self.export_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"export_dtype must be float32 or bfloat16, got {self.export_dtype!r}")
 
 
 # ---- tokenizer and model ---------------------------------------------------------------------------------------
-def build_proxy_tokenizer(base_vocab: int = 4096, key_words: bool = True):
+def build_proxy_tokenizer(
+    base_vocab: int = 4096, key_words: bool = True, uuid_chars: bool = False, key_sentences: int = -1
+):
     """The proxy tokenizer trained on the training essays only (see ``proxy_tokenizer``)."""
     from core_kv.eval.resources import essay_files, words
     from core_kv.models.proxy_data import held_out_essays
@@ -143,7 +160,8 @@ def build_proxy_tokenizer(base_vocab: int = 4096, key_words: bool = True):
     held = held_out_essays()
     essays = [f.read_text(encoding="utf-8") for f in essay_files() if f.stem not in held]
     adjs, nouns = words("adjectives"), words("nouns")
-    return build_tokenizer(default_corpus(essays, adjs, nouns), adjs, nouns, base_vocab=base_vocab, key_words=key_words)
+    corpus = default_corpus(essays, adjs, nouns, None if key_sentences < 0 else key_sentences)
+    return build_tokenizer(corpus, adjs, nouns, base_vocab=base_vocab, key_words=key_words, uuid_chars=uuid_chars)
 
 
 def build_model(cfg: ModelConfig, tokenizer):
@@ -159,57 +177,181 @@ def build_model(cfg: ModelConfig, tokenizer):
         intermediate_size=cfg.intermediate_size,
         rope_theta=cfg.rope_theta,
         max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=cfg.tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    if cfg.key_word_init > 0:
+        from core_kv.eval.resources import words
+        from core_kv.models.proxy_tokenizer import key_word_pieces
+
+        emb = model.get_input_embeddings().weight  # (V, H)
+        std = config.initializer_range * cfg.key_word_init
+        with torch.no_grad():
+            for adjs, nouns in ((words("adjectives"), ()), ((), words("nouns"))):
+                ids = [tokenizer.convert_tokens_to_ids(p) for p in key_word_pieces(adjs, nouns)]
+                ids = [i for i in ids if i is not None and i != tokenizer.unk_token_id]
+                emb[ids] += torch.randn(emb.shape[1]) * std
+    return model
 
 
 # ---- loss ------------------------------------------------------------------------------------------------------
-def collate(seqs, pad_id: int):
-    """Right-pad to the longest sequence; padding is causal-safe (it only follows real tokens) and never scored."""
+def collate(seqs, pad_id: int, keeps: list[torch.Tensor] | None = None):
+    """Right-pad to the longest sequence; padding is causal-safe (it only follows real tokens) and never scored.
+
+    Returns:
+        ``(ids, keep, ans, src)``, each (B, T): token ids, LM-loss selection of the target at ``t`` (``keeps[b]``,
+        else every position flagged in ``Sequence.lm``), answer index of the target at ``t`` (0 = none) and the
+        context position the target at ``t`` copies (``Sequence.src``; -1 = none).
+    """
     T = max(len(s.ids) for s in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)  # (B, T)
-    lm = torch.zeros((len(seqs), T), dtype=torch.long)
+    keep = torch.zeros((len(seqs), T), dtype=torch.bool)
     ans = torch.zeros((len(seqs), T), dtype=torch.long)
+    src = torch.full((len(seqs), T), -1, dtype=torch.long)
     for b, s in enumerate(seqs):
         n = len(s.ids)
         ids[b, :n] = torch.tensor(s.ids)
-        lm[b, :n] = torch.tensor(s.lm)
+        keep[b, :n] = keeps[b] if keeps is not None else torch.tensor(s.lm) > 0
         ans[b, :n] = torch.tensor(s.ans)
-    return ids, lm, ans
+        if s.src:
+            src[b, :n] = torch.tensor(s.src)
+    return ids, keep, ans, src
 
 
-def compute_loss(model, ids, lm, ans, lm_fraction: float, gen: torch.Generator | None, bf16: bool):
-    """LM loss (positions flagged 2, plus a random ``lm_fraction`` of those flagged 1) + answer loss; exact match.
+def lm_selection(seqs, lm_fraction: float, gen: torch.Generator | None) -> list[torch.Tensor]:
+    """Per sequence, the targets in the LM loss: every one flagged 2 (the question after the context) and a random
+    ``lm_fraction`` of those flagged 1 (the output head over the whole vocabulary is the costly part)."""
+    out = []
+    for s in seqs:
+        lm = torch.tensor(s.lm)
+        draw = torch.rand(lm.shape, generator=gen)
+        out.append((lm == 2) | ((lm == 1) & (draw < lm_fraction)))
+    return out
+
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices by length so padding stays small: longest first, a group grows while
+    ``rows * longest <= max_tokens`` (a single longer sequence is a group of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class RetrievalHead:
+    """Captures one attention head's inputs during the forward pass, to score where it attends.
+
+    The retrieval-head loss (``TrainConfig.attn_weight``): at every answer token that copies a needle value, the
+    cross-entropy of head ``head`` of layer ``layer``'s attention distribution (causal softmax of its post-RoPE
+    ``q.k * scaling``, exactly what SDPA computes) with the copied context token as the target. Real LMs retrieve
+    through such heads (sparse "retrieval heads" that attend to the token being copied); supervising one makes
+    the circuit appear without a long plateau. The model stays a plain Llama: nothing of this is in the checkpoint.
+    """
+
+    def __init__(self, model, layer: int, head: int):
+        from core_kv.models.attention import attention_modules
+
+        self.attn = attention_modules(model)[layer]
+        self.head = head
+        self.kv_head = head // self.attn.num_key_value_groups
+        self.inputs: dict = {}
+        self.handle = self.attn.register_forward_hook(self._capture, with_kwargs=True)
+
+    def _capture(self, module, args, kwargs, output) -> None:
+        self.inputs = {"hidden": kwargs["hidden_states"], "pos": kwargs["position_embeddings"]}
+
+    def loss_sum(self, src: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Summed cross-entropy over the queries ``t`` with ``src[:, t+1] >= 0`` (the target at ``t+1`` is copied
+        from ``src``); returns ``(sum, count)``."""
+        from core_kv.models.attention import apply_rope, prerope_keys, prerope_queries
+
+        x, pos = self.inputs["hidden"], self.inputs["pos"]
+        q = apply_rope(self.attn, prerope_queries(self.attn, x)[:, self.head : self.head + 1], pos)[:, 0]  # (B, T, D)
+        k = apply_rope(self.attn, prerope_keys(self.attn, x)[:, self.kv_head : self.kv_head + 1], pos)[:, 0]
+        target = src[:, 1:]  # (B, T-1): query t predicts token t+1
+        total, count = q.new_zeros((), dtype=torch.float32), 0
+        for b in range(x.shape[0]):
+            rows = (target[b] >= 0).nonzero().flatten()  # (N,)
+            if not len(rows):
+                continue
+            logits = (q[b, rows].float() @ k[b].float().T) * self.attn.scaling  # (N, T)
+            future = torch.arange(k.shape[1], device=k.device)[None, :] > rows[:, None]
+            logits = logits.masked_fill(future, float("-inf"))
+            total = total + F.cross_entropy(logits, target[b, rows], reduction="sum")
+            count += len(rows)
+        return total, count
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def loss_sums(model, ids, keep, ans, bf16: bool, src=None, head: RetrievalHead | None = None):
+    """Summed LM and answer cross-entropies of one padded batch, per-answer exact match, and (with ``head``) the
+    summed retrieval-head loss.
 
     Returns:
-        ``(lm_loss, answer_loss, em)``: tensors for the two losses and a list ``[(row, answer_id, correct)]``.
+        ``(lm_sum, ans_sum, em, attn_sum, n_attn)`` with ``em = [(row, answer_id, correct)]`` (teacher-forced argmax
+        of every token of the answer, which equals greedy exact match).
     """
     with (
         torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and ids.device.type == "cpu"),
         torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and ids.device.type == "cuda"),
     ):
         hidden = model.model(input_ids=ids).last_hidden_state  # (B, T, H)
-        tgt, lm_t, ans_t = ids[:, 1:], lm[:, 1:], ans[:, 1:]  # target t+1 is predicted at position t
+        tgt, keep_t, ans_t = ids[:, 1:], keep[:, 1:], ans[:, 1:]  # target t+1 is predicted at position t
         h = hidden[:, :-1]
-        draw = torch.rand(lm_t.shape, generator=gen).to(lm_t.device)  # CPU generator: same draws on any device
-        keep = (lm_t == 2) | ((lm_t == 1) & (draw < lm_fraction))
-        sel_lm = keep.nonzero(as_tuple=True)
+        sel_lm = keep_t.nonzero(as_tuple=True)
         sel_ans = (ans_t > 0).nonzero(as_tuple=True)
         logits_lm = model.lm_head(h[sel_lm]).float()  # (N, V)
         logits_ans = model.lm_head(h[sel_ans]).float()  # (N, V)
-    lm_loss = F.cross_entropy(logits_lm, tgt[sel_lm]) if logits_lm.numel() else logits_lm.sum()
-    ans_loss = F.cross_entropy(logits_ans, tgt[sel_ans]) if logits_ans.numel() else logits_ans.sum()
+        attn_sum, n_attn = head.loss_sum(src) if head is not None else (torch.zeros(()), 0)
+    lm_sum = F.cross_entropy(logits_lm, tgt[sel_lm], reduction="sum")
+    ans_sum = F.cross_entropy(logits_ans, tgt[sel_ans], reduction="sum")
     correct = (logits_ans.argmax(-1) == tgt[sel_ans]).tolist()
     rows, qa = sel_ans[0].tolist(), ans_t[sel_ans].tolist()
     per: dict[tuple[int, int], bool] = {}
     for r, q, c in zip(rows, qa, correct, strict=True):
         per[(r, q)] = per.get((r, q), True) and c
-    return lm_loss, ans_loss, [(r, q, c) for (r, q), c in per.items()]
+    return lm_sum, ans_sum, [(r, q, c) for (r, q), c in per.items()], attn_sum, n_attn
+
+
+def train_step_loss(
+    model, seqs, pad_id: int, cfg: TrainConfig, gen: torch.Generator, max_tokens: int, head: RetrievalHead | None
+):
+    """Forward and backward of one step in length-bucketed micro-batches (gradients accumulate in ``.grad``).
+
+    The loss is the batch's ``mean LM CE + answer_weight * mean answer CE + attn_weight * mean retrieval-head CE``,
+    exactly as one padded batch would give: every micro-batch's sums are divided by the whole batch's counts.
+
+    Returns:
+        ``(lm_loss, answer_loss, attn_loss, em)``: floats and ``[(sequence index, answer_id, correct)]``.
+    """
+    keeps = lm_selection(seqs, cfg.lm_fraction, gen)
+    n_lm = max(1, sum(int(k[1:].sum()) for k in keeps))
+    n_ans = max(1, sum(sum(a > 0 for a in s.ans[1:]) for s in seqs))
+    n_src = max(1, sum(sum(x >= 0 for x in s.src[1:]) for s in seqs))
+    lm_tot, ans_tot, attn_tot, em = 0.0, 0.0, 0.0, []
+    for group in micro_batches([len(s.ids) for s in seqs], max_tokens):
+        batch = collate([seqs[i] for i in group], pad_id, [keeps[i] for i in group])
+        ids, keep, ans, src = (t.to(cfg.device) for t in batch)
+        lm_sum, ans_sum, em_g, attn_sum, _ = loss_sums(model, ids, keep, ans, cfg.bf16, src, head)
+        loss = lm_sum / n_lm + cfg.answer_weight * ans_sum / n_ans
+        if head is not None:
+            loss = loss + cfg.attn_weight * attn_sum / n_src
+            attn_tot += float(attn_sum) / n_src
+        loss.backward()
+        lm_tot += lm_sum.item() / n_lm
+        ans_tot += ans_sum.item() / n_ans
+        em += [(group[r], q, c) for r, q, c in em_g]
+    return lm_tot, ans_tot, attn_tot, em
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -234,9 +376,9 @@ def probe(model, probes: dict[str, list], bf16: bool) -> dict[str, float]:
     for name, seqs in probes.items():
         hits = 0
         for s in seqs:
-            ids, lm, ans = (t.to(model.device) for t in collate([s], 0))
+            ids, keep, ans, _ = (t.to(model.device) for t in collate([s], 0))
             ans = torch.where(ans == 1, ans, torch.zeros_like(ans))
-            _, _, em = compute_loss(model, ids, lm, ans, 0.0, None, bf16)
+            em = loss_sums(model, ids, keep, ans, bf16)[2]
             hits += int(all(c for _, _, c in em))
         out[name] = hits / len(seqs)
     model.train()
@@ -257,7 +399,7 @@ def make_probes(tokenizer, cfg: TrainConfig) -> dict[str, list]:
 # ---- checkpoints -----------------------------------------------------------------------------------------------
 def save_checkpoint(out: Path, model, opt, state: dict, gen_state, torch_gen: torch.Generator) -> None:
     """Write ``ckpt.tmp`` fully, then swap it in for ``ckpt`` (the old one is kept as ``ckpt.old`` until then)."""
-    tmp, final, old = out / "ckpt.tmp", out / "ckpt", out / "ckpt.old"
+    tmp, final = out / "ckpt.tmp", out / "ckpt"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     torch.save(
@@ -270,6 +412,13 @@ def save_checkpoint(out: Path, model, opt, state: dict, gen_state, torch_gen: to
         tmp / "train_state.pt",
     )
     atomic_write_json(tmp / "state.json", state)
+    swap_in(tmp, final)
+
+
+def swap_in(tmp: Path, final: Path) -> None:
+    """Replace the folder ``final`` by the fully written ``tmp`` (the old one survives as ``<final>.old`` until the
+    new one is in place, so an interruption leaves one complete folder)."""
+    old = final.with_name(final.name + ".old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -304,7 +453,8 @@ def train(cfg: TrainConfig) -> Path:
         if init is not None:
             AutoTokenizer.from_pretrained(init).save_pretrained(tok_dir)
         else:
-            build_proxy_tokenizer(cfg.base_vocab, cfg.key_word_tokens).save_pretrained(tok_dir)
+            tokenizer = build_proxy_tokenizer(cfg.base_vocab, cfg.key_word_tokens, cfg.uuid_chars, cfg.key_sentences)
+            tokenizer.save_pretrained(tok_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
 
     random.seed(cfg.seed)
@@ -328,7 +478,7 @@ def train(cfg: TrainConfig) -> Path:
         betas=tuple(cfg.betas),
         fused=False,
     )
-    data = Generator(tokenizer, seed=cfg.data_seed)
+    data = Generator(tokenizer, seed=cfg.data_seed, extra_questions=cfg.extra_questions)
     loss_gen = torch.Generator().manual_seed(cfg.seed + 1)
     state = {"step": 0, "phase": 0, "phase_start": 0, "tokens": 0, "train_s": 0.0, "em_window": {}}
     if ckpt:
@@ -346,7 +496,8 @@ def train(cfg: TrainConfig) -> Path:
 
     log = open(out / "log.jsonl", "a", encoding="utf-8")  # noqa: SIM115  # appended to for the whole run
     t_start, last_ckpt = time.time(), time.time()
-    acc = {"lm": 0.0, "ans": 0.0, "n": 0, "tok": 0, "t": 0.0, "em": []}
+    acc = {"lm": 0.0, "ans": 0.0, "attn": 0.0, "n": 0, "tok": 0, "t": 0.0, "em": []}
+    head = RetrievalHead(model, cfg.attn_layer, cfg.attn_head) if cfg.attn_weight > 0 else None
     bar = tqdm(total=cfg.total_steps, initial=state["step"], desc="proxy", mininterval=5, file=sys.stdout)
 
     def checkpoint() -> None:
@@ -358,13 +509,13 @@ def train(cfg: TrainConfig) -> Path:
         phase = cfg.phases[state["phase"]]
         t0 = time.time()
         seqs = data.batch(phase.mix or FULL_MIX, phase.min_len, phase.max_len, phase.tokens_per_step)
-        ids, lm, ans = (t.to(cfg.device) for t in collate(seqs, tokenizer.pad_token_id))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        lm_loss, ans_loss, em = compute_loss(model, ids, lm, ans, cfg.lm_fraction, loss_gen, cfg.bf16)
-        loss = lm_loss + cfg.answer_weight * ans_loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        micro = max(cfg.micro_batch_tokens, 2 * phase.max_len)
+        lm_loss, ans_loss, attn_loss, em = train_step_loss(
+            model, seqs, tokenizer.pad_token_id, cfg, loss_gen, micro, head
+        )
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         dt = time.time() - t0
@@ -375,8 +526,9 @@ def train(cfg: TrainConfig) -> Path:
         state["train_s"] += dt
         for r, _q, c in em:
             windows.setdefault(seqs[r].task, deque(maxlen=cfg.em_window * 8)).append(int(c))
-        acc["lm"] += lm_loss.item()
-        acc["ans"] += ans_loss.item()
+        acc["lm"] += lm_loss
+        acc["ans"] += ans_loss
+        acc["attn"] += attn_loss
         acc["n"] += 1
         acc["tok"] += n_tok
         acc["t"] += dt
@@ -401,8 +553,10 @@ def train(cfg: TrainConfig) -> Path:
                 "len": phase.max_len,
                 "lm_loss": acc["lm"] / acc["n"],
                 "answer_loss": acc["ans"] / acc["n"],
+                "attn_loss": acc["attn"] / acc["n"],
                 "train_em": sum(acc["em"]) / max(1, len(acc["em"])),
                 "running_em": run_em,
+                "task_em": {t: round(sum(w) / len(w), 3) for t, w in sorted(windows.items()) if w},
                 "tok_per_s": acc["tok"] / acc["t"],
                 "lr": lr_at(step, cfg),
                 "grad_norm": float(gnorm),
@@ -427,7 +581,7 @@ def train(cfg: TrainConfig) -> Path:
                 print(
                     "\nprobe", state["step"], json.dumps({k: round(v, 2) for k, v in row["probe"].items()}), flush=True
                 )
-            acc = {"lm": 0.0, "ans": 0.0, "n": 0, "tok": 0, "t": 0.0, "em": []}
+            acc = {"lm": 0.0, "ans": 0.0, "attn": 0.0, "n": 0, "tok": 0, "t": 0.0, "em": []}
 
         if time.time() - last_ckpt >= cfg.ckpt_every_s:
             checkpoint()
@@ -437,6 +591,8 @@ def train(cfg: TrainConfig) -> Path:
             break
     checkpoint()
     bar.close()
+    if head is not None:
+        head.remove()
     log.close()
     return out / "ckpt"
 
@@ -492,24 +648,35 @@ def write_stage_log(out: Path, dst: Path) -> None:
 
 
 def export(cfg: TrainConfig) -> Path:
-    """Copy the last checkpoint to ``export_dir`` as a plain Hugging Face folder (fp32 safetensors + tokenizer)."""
+    """Write the last checkpoint to ``export_dir`` as a plain Hugging Face folder (safetensors + tokenizer + the
+    training log, config and loss curve), built beside it and swapped in whole.
+
+    ``export_dtype="bfloat16"`` stores the weights in bf16 (the precision training computed in, under autocast) to
+    halve the folder, and records ``dtype: float32`` in ``config.json`` so ``from_pretrained`` (default or
+    ``dtype="auto"``) loads and runs the model in fp32.
+    """
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     out, dst = Path(cfg.out_dir), Path(cfg.export_dir)
     ckpt = latest_checkpoint(out)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint in {out}")
-    dst.mkdir(parents=True, exist_ok=True)
-    model = LlamaForCausalLM.from_pretrained(ckpt)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     model.generation_config.pad_token_id = model.config.pad_token_id
-    model.save_pretrained(dst)
-    AutoTokenizer.from_pretrained(out / "tokenizer").save_pretrained(dst)
+    model.to(getattr(torch, cfg.export_dtype)).save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    atomic_write_json(tmp / "config.json", {**config, "dtype": "float32"})
+    AutoTokenizer.from_pretrained(out / "tokenizer").save_pretrained(tmp)
     state = json.loads((ckpt / "state.json").read_text())
     state.pop("em_window", None)
-    atomic_write_json(dst / "training_state.json", state)
-    atomic_write_json(dst / "training_config.json", to_dict(cfg))
-    write_stage_log(out, dst / "training_log.jsonl")
-    plot_loss(dst / "training_log.jsonl", dst / "loss_curve.png")
+    atomic_write_json(tmp / "training_state.json", state)
+    atomic_write_json(tmp / "training_config.json", to_dict(cfg))
+    write_stage_log(out, tmp / "training_log.jsonl")
+    plot_loss(tmp / "training_log.jsonl", tmp / "loss_curve.png")
+    swap_in(tmp, dst)
     return dst
 
 
