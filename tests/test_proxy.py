@@ -93,21 +93,39 @@ def test_checkpoint_shape_and_size(model):
     assert sum(f.stat().st_size for f in CKPT.iterdir() if f.is_file()) < 25 * 2**20
 
 
-def _needle_prompt(seed: int, lines: int) -> tuple[str, str]:
-    """A niah_single_1-format prompt (noise haystack) built independently of the training generator."""
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+def _needle_prompt(seed: int, lines: int, haystack: str = "noise", kind: str = "number") -> tuple[str, str]:
+    """A RULER-format prompt built independently of the training generator: one needle among ``lines`` noise lines
+    (niah_single_1) or among ``lines`` needles with other keys (``haystack="needle"``, niah_multikey_2/3);
+    ``kind`` is the value type (``number`` or ``uuid``)."""
+    import uuid
+
     from core_kv.eval.resources import words
 
     rng = random.Random(seed)
-    key = f"{rng.choice(words('adjectives'))}-{rng.choice(words('nouns'))}"
-    value = str(rng.randint(10**6, 10**7 - 1))
-    noise = ["The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."] * lines
-    noise.insert(rng.randrange(lines + 1), f"One of the special magic numbers for {key} is: {value}.")
+
+    def key() -> str:
+        return f"{rng.choice(words('adjectives'))}-{rng.choice(words('nouns'))}"
+
+    def value() -> str:
+        if kind == "uuid":
+            return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        return str(rng.randint(10**6, 10**7 - 1))
+
+    def needle(k: str, v: str) -> str:
+        return f"One of the special magic {kind}s for {k} is: {v}."
+
+    k, v = key(), value()
+    body = [NOISE] * lines if haystack == "noise" else [needle(key(), value()) for _ in range(lines)]
+    body.insert(rng.randrange(lines + 1), needle(k, v))
     prompt = (
-        "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you about "
-        "the number afterwards.\n" + "\n".join(noise) + f"\nWhat is the special magic number for {key} mentioned in "
-        f"the provided text? The special magic number for {key} mentioned in the provided text is"
+        f"A special magic {kind} is hidden within the following text. Make sure to memorize it. I will quiz you about "
+        f"the {kind} afterwards.\n" + "\n".join(body) + f"\nWhat is the special magic {kind} for {k} mentioned in "
+        f"the provided text? The special magic {kind} for {k} mentioned in the provided text is"
     )
-    return prompt, value
+    return prompt, v
 
 
 @torch.no_grad()
@@ -120,14 +138,20 @@ def test_greedy_is_deterministic(model, tok):
 
 
 @torch.no_grad()
-def test_finds_needles_with_full_cache(model, tok):
+@pytest.mark.parametrize(
+    "haystack,kind,lines,new_tokens",
+    [("noise", "number", 30, 10), ("needle", "number", 30, 10), ("noise", "uuid", 20, 40)],
+    ids=["single_needle", "among_30_keys", "uuid_value"],
+)
+def test_answers_fixed_needle_prompts_with_full_cache(model, tok, haystack, kind, lines, new_tokens):
+    """niah_single_1-, niah_multikey_2- and niah_single_3-like prompts of ~600-800 tokens, greedy, full cache."""
     hits = 0
     for seed in range(5):
-        prompt, value = _needle_prompt(1000 + seed, lines=30)  # ~800 tokens
+        prompt, value = _needle_prompt(1000 + seed, lines, haystack, kind)
         ids = tok(prompt, return_tensors="pt")["input_ids"]
-        out = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=tok.pad_token_id)
+        out = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
         hits += value in tok.decode(out[0, ids.shape[1] :])
-    assert hits >= 4, f"only {hits}/5 needles retrieved with the full cache"
+    assert hits >= 4, f"only {hits}/5 {haystack}/{kind} needles retrieved with the full cache"
 
 
 # ---- training data -----------------------------------------------------------------------------------------------

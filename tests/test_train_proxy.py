@@ -116,7 +116,7 @@ def test_micro_batched_step_equals_one_padded_batch(tmp_path):
         train_step_loss,
     )
 
-    cfg = _cfg(tmp_path, lm_fraction=0.5, answer_weight=3.0, attn_weight=0.7, attn_layer=-1, attn_head=1)
+    cfg = _cfg(tmp_path, lm_fraction=0.5, answer_weight=3.0)
     cfg.model.num_hidden_layers, cfg.model.num_attention_heads = 2, 4  # GQA: query head 1 reads the one KV head
     build_proxy_tokenizer(512, key_words=False).save_pretrained(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
@@ -126,25 +126,35 @@ def test_micro_batched_step_equals_one_padded_batch(tmp_path):
     seqs = Generator(tok, seed=5).batch({"niah_single_1": 1, "mk_noise": 1, "copy": 1}, 60, 200, 1500)
     assert len({len(s.ids) for s in seqs}) > 1 and any(x >= 0 for s in seqs for x in s.src)
 
-    head = RetrievalHead(model, -1, 1)
-    lm, ans, attn, _ = train_step_loss(model, seqs, tok.pad_token_id, cfg, torch.Generator().manual_seed(9), 400, head)
-    head.remove()
+    retrieval, gather = RetrievalHead(model, -1, 1, "src"), RetrievalHead(model, 0, 2, "nsrc")
+    heads = [(retrieval, 0.7), (gather, 0.4)]
+    lm, ans, (attn, attn_n), _ = train_step_loss(
+        model, seqs, tok.pad_token_id, cfg, torch.Generator().manual_seed(9), 400, heads
+    )
+    retrieval.remove()
+    gather.remove()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
 
     batch = collate(seqs, tok.pad_token_id, lm_selection(seqs, 0.5, torch.Generator().manual_seed(9)))
-    ids, keep, answer, src = batch
+    ids, keep, answer, targets = batch
     out = model(input_ids=ids, output_attentions=True)
     logits = out.logits[:, :-1].float()
-    tgt, keep, answer, src = ids[:, 1:], keep[:, 1:], answer[:, 1:], src[:, 1:]
+    tgt, keep, answer = ids[:, 1:], keep[:, 1:], answer[:, 1:]
     ref_lm = F.cross_entropy(logits[keep], tgt[keep])
     ref_ans = F.cross_entropy(logits[answer > 0], tgt[answer > 0])
-    probs = out.attentions[-1][:, 1, :-1]  # (B, T-1, T): query t of head 1 in the last layer
-    rows = (src >= 0).nonzero(as_tuple=True)
-    ref_attn = -probs[rows[0], rows[1], src[rows]].log().mean()
-    (ref_lm + 3.0 * ref_ans + 0.7 * ref_attn).backward()
+
+    def head_ce(layer: int, head: int, name: str) -> torch.Tensor:
+        probs = out.attentions[layer][:, head, :-1]  # (B, T-1, T): query t of this head
+        src = targets[name][:, 1:]
+        rows = (src >= 0).nonzero(as_tuple=True)
+        assert len(rows[0])
+        return -probs[rows[0], rows[1], src[rows]].log().mean()
+
+    ref_attn, ref_gather = head_ce(-1, 1, "src"), head_ce(0, 2, "nsrc")
+    (ref_lm + 3.0 * ref_ans + 0.7 * ref_attn + 0.4 * ref_gather).backward()
     assert lm == pytest.approx(ref_lm.item(), rel=1e-5) and ans == pytest.approx(ref_ans.item(), rel=1e-5)
-    assert attn == pytest.approx(ref_attn.item(), rel=1e-4)
+    assert attn == pytest.approx(ref_attn.item(), rel=1e-4) and attn_n == pytest.approx(ref_gather.item(), rel=1e-4)
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
@@ -173,6 +183,29 @@ def test_answer_tokens_point_at_their_needle_tokens(tmp_path):
     assert all(x == -1 for x in gen.sample("vt", 300).src)
 
 
+def test_key_gather_targets_are_the_keys_last_token(tmp_path):
+    from transformers import AutoTokenizer
+
+    from core_kv.models.proxy_data import Generator
+    from core_kv.models.train_proxy import build_proxy_tokenizer
+
+    build_proxy_tokenizer(512, key_words=False).save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    s = Generator(tok, seed=2, kvpress_newline=0.0).sample("niah_multiquery", 500)
+    text = [tok.decode(s.ids[: i + 1]) for i in range(len(s.ids))]  # text up to and including token i
+    question = tok.decode(s.ids).rsplit("mentioned in the provided text?", 1)[0]
+    keys = question.rsplit(" for ", 1)[1].strip().replace(", and ", ", ").split(", ")  # the 4 queried keys, in order
+    answer = [i for i, a in enumerate(s.ans) if a > 0 and s.qsrc[i] >= 0]
+    targets = [s.qsrc[i] for i in answer]
+    assert len(set(targets)) == 4 and targets == sorted(targets)  # one key per value, in query order
+    for key, pos in zip(keys, sorted(set(targets)), strict=True):
+        assert text[pos].endswith(key) and pos > max(s.src)  # the key in the answer prefix, after the context
+    for i, j in enumerate(s.nsrc):
+        if j >= 0:  # a needle value token gathers the last token of its own needle's key
+            sentence = text[i - 1].rsplit("One of the special magic", 1)[1]
+            assert text[j].endswith(sentence.split(" for ", 1)[1].split(" is: ")[0])
+
+
 def test_bf16_export_loads_as_fp32_and_replaces_the_folder_whole(straight, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -192,3 +225,11 @@ def test_bf16_export_loads_as_fp32_and_replaces_the_folder_whole(straight, tmp_p
         torch.testing.assert_close(params[name], w.to(torch.bfloat16).float(), rtol=0, atol=0, msg=name)
     with pytest.raises(ValueError, match="export_dtype"):
         _cfg(out, export_dtype="int8")
+
+
+def test_auxiliary_head_losses_are_trained_and_logged(tmp_path):
+    phase = {"min_len": 48, "max_len": 96, "tokens_per_step": 256, "gather_weight": 0.5,
+             "mix": {"niah_single_1": 0.5, "mk_noise": 0.5}}  # fmt: skip
+    train(_cfg(tmp_path, total_steps=2, attn_weight=1.0, gather_layer=0, phases=[phase]))
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert all(r["attn_loss"] > 0 and r["gather_loss"] > 0 for r in rows)

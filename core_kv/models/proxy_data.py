@@ -33,6 +33,8 @@ from core_kv.models.proxy_tokenizer import NOISE_LINE
 RULER_SEED = 42
 HELD_OUT_WORDS = 16_000  # words of RULER's haystack prefix kept unseen (≈27k proxy tokens, far beyond 4k contexts)
 DEPTHS = [round(i * 100 / 39) for i in range(40)]  # round(linspace(0, 100, 40)), RULER's needle depths
+NEEDLE_RE = re.compile(r"for (\S+) is: (\S+)\.(?=\s|$)")  # a needle sentence's key and value (keys have no spaces)
+UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 NIAH_TEMPLATE = (
     "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
@@ -119,9 +121,14 @@ class Sequence:
     lm: list[int]  # 0 = not in the LM loss, 1 = sampled into it, 2 = always in it (question after the context)
     ans: list[int]  # k > 0 = token of the k-th answer, 0 = not an answer
     task: str
-    # position of the context token an answer token copies (the same token of the needle's value), -1 = none:
-    # the target of the retrieval-head attention loss (``train_proxy.TrainConfig.attn_weight``)
+    # Attention targets of the auxiliary head losses (``train_proxy.RetrievalHead``), indexed like ``ans`` (entry i is
+    # for the query at i-1, which predicts token i); -1 = none, an empty list = none anywhere.
+    # src: the context token an answer token copies (the same token of the needle's value);
+    # qsrc: for an answer token, the last token of its key in the question (word keys only);
+    # nsrc: for a needle's value token (and the space and dot around it), the last token of that needle's key.
     src: list[int] = field(default_factory=list)
+    qsrc: list[int] = field(default_factory=list)
+    nsrc: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -367,21 +374,36 @@ class Generator:
             q = max(text.rfind("\nWhat "), text.rfind("\nQuestion: "))
             lm.extend(0 if any(hidden[a:b]) else (2 if 0 <= q <= a else 1) for a, b in offsets)
             ans.extend([0] * len(seg_ids))
-        src = self._sources(segments, enc["offset_mapping"], values, len(ids))
-        return Sequence(ids, lm, ans, task, src)
+        src, qsrc, nsrc = self._sources(segments, enc["offset_mapping"], values, len(ids))
+        return Sequence(ids, lm, ans, task, src, qsrc, nsrc)
 
     @staticmethod
-    def _sources(segments, offsets, values: list[str], n: int) -> list[int]:
-        """``src`` of :class:`Sequence`: an answer token of ``" {value}"`` (and the ``.`` after it) copies the token
-        at the same character of the needle's ``": {value}."`` in the context (segment 0), when both tokenize alike."""
-        src = [-1] * n
+    def _sources(segments, offsets, values: list[str], n: int) -> tuple[list[int], list[int], list[int]]:
+        """``src``, ``qsrc`` and ``nsrc`` of :class:`Sequence`. An answer token of ``" {value}"`` (and the ``.``
+        after it) copies the token at the same character of the needle's ``": {value}."`` in the context (segment 0),
+        when both tokenize alike; keys are found in the needle sentences of the context."""
+        src, qsrc, nsrc = [-1] * n, [-1] * n, [-1] * n
         ctx, ctx_off = segments[0][0], offsets[0]
-        tok_at = [-1] * (len(ctx) + 1)
-        for j, (a, b) in enumerate(ctx_off):
-            for c in range(a, b):
-                tok_at[c] = j
-        start = 1  # bos
-        for (text, qa), off in zip(segments, offsets, strict=True):
+        starts = [1]  # global position of each segment's first token (after bos)
+        for off in offsets:
+            starts.append(starts[-1] + len(off))
+        tok_at = [[-1] * (len(t) + 1) for t, _ in segments]
+        for seg, off in enumerate(offsets):
+            for j, (a, b) in enumerate(off):
+                for c in range(a, b):
+                    tok_at[seg][c] = j
+        key_of: dict[str, str] = {}
+        for m in NEEDLE_RE.finditer(ctx):  # needle-side gather: value tokens -> last token of the needle's key
+            key, value = m.group(1), m.group(2)
+            key_of[value] = key
+            if UUID_RE.fullmatch(key):
+                continue
+            k_last = tok_at[0][m.end(1) - 1]
+            for c in range(m.start(2) - 1, m.end(2) + 1):
+                j = tok_at[0][c]
+                if j >= 0 and k_last >= 0:
+                    nsrc[starts[0] + j + 1] = starts[0] + k_last
+        for seg, ((text, qa), off) in enumerate(zip(segments, offsets, strict=True)):
             for v in values if qa else ():
                 a0 = text.find(" " + v)
                 c0 = ctx.find(": " + v) + 1
@@ -389,13 +411,17 @@ class Generator:
                     continue
                 end_a, end_c = a0 + 1 + len(v), c0 + 1 + len(v)
                 span = 1 + len(v) + (text[end_a : end_a + 1] == "." == ctx[end_c : end_c + 1])  # " {value}" (+ ".")
+                key = key_of.get(v, "")
+                q_end = segments[seg - 1][0].rfind(key) + len(key) - 1 if key and not UUID_RE.fullmatch(key) else -1
+                q_tok = tok_at[seg - 1][q_end] if q_end >= len(key) - 1 >= 0 else -1
                 for j, (a, b) in enumerate(off):
                     if a0 <= a < a0 + span:
-                        k = tok_at[c0 + a - a0]
+                        k = tok_at[0][c0 + a - a0]
                         if k >= 0 and ctx_off[k] == (c0 + a - a0, c0 + b - a0):
-                            src[start + j] = 1 + k
-            start += len(off)
-        return src
+                            src[starts[seg] + j] = starts[0] + k
+                        if q_tok >= 0:
+                            qsrc[starts[seg] + j] = starts[seg - 1] + q_tok
+        return src, qsrc, nsrc
 
     def batch(self, mix: dict[str, float], lo: int, hi: int, tokens: int) -> list[Sequence]:
         """One batch: a length drawn from ``[lo, hi]``, tasks drawn from ``mix``, sequences added until the batch

@@ -83,6 +83,7 @@ class Phase:
     min_steps: int = 0
     max_steps: int = 1_000_000
     advance_em: float = 0.8
+    gather_weight: float = 0.0  # >0: key-gather head losses in this phase (RetrievalHead targets qsrc, nsrc)
     # Task weights; empty means FULL_MIX. (A non-empty default would be merged with, not replaced by, a YAML mix.)
     mix: dict[str, float] = field(default_factory=dict)
 
@@ -116,6 +117,8 @@ class TrainConfig:
     attn_weight: float = 0.0  # >0: retrieval-head loss on head attn_head of layer attn_layer (RetrievalHead)
     attn_layer: int = -1
     attn_head: int = 0
+    gather_layer: int = 1  # key-gather heads (Phase.gather_weight): question side, needle side
+    gather_heads: list[int] = field(default_factory=lambda: [0, 1])
     lm_fraction: float = 0.25  # share of LM-loss positions scored per step (the vocabulary-wide head is costly)
     micro_batch_tokens: int = 2048  # padded tokens per forward pass (length-bucketed; at least 2 x the max_len)
     advance_tasks: list[str] = field(
@@ -199,27 +202,31 @@ def build_model(cfg: ModelConfig, tokenizer):
 
 
 # ---- loss ------------------------------------------------------------------------------------------------------
+ATTN_TARGETS = ("src", "qsrc", "nsrc")  # Sequence fields: retrieval, question-key gather, needle-key gather
+
+
 def collate(seqs, pad_id: int, keeps: list[torch.Tensor] | None = None):
     """Right-pad to the longest sequence; padding is causal-safe (it only follows real tokens) and never scored.
 
     Returns:
-        ``(ids, keep, ans, src)``, each (B, T): token ids, LM-loss selection of the target at ``t`` (``keeps[b]``,
-        else every position flagged in ``Sequence.lm``), answer index of the target at ``t`` (0 = none) and the
-        context position the target at ``t`` copies (``Sequence.src``; -1 = none).
+        ``(ids, keep, ans, targets)``: (B, T) token ids, LM-loss selection of the target at ``t`` (``keeps[b]``,
+        else every position flagged in ``Sequence.lm``), answer index of the target at ``t`` (0 = none), and
+        ``{"src", "qsrc", "nsrc"}`` (B, T) attention targets of the auxiliary heads (``Sequence``; -1 = none).
     """
     T = max(len(s.ids) for s in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)  # (B, T)
     keep = torch.zeros((len(seqs), T), dtype=torch.bool)
     ans = torch.zeros((len(seqs), T), dtype=torch.long)
-    src = torch.full((len(seqs), T), -1, dtype=torch.long)
+    targets = {name: torch.full((len(seqs), T), -1, dtype=torch.long) for name in ATTN_TARGETS}
     for b, s in enumerate(seqs):
         n = len(s.ids)
         ids[b, :n] = torch.tensor(s.ids)
         keep[b, :n] = keeps[b] if keeps is not None else torch.tensor(s.lm) > 0
         ans[b, :n] = torch.tensor(s.ans)
-        if s.src:
-            src[b, :n] = torch.tensor(s.src)
-    return ids, keep, ans, src
+        for name, t in targets.items():
+            if getattr(s, name):
+                t[b, :n] = torch.tensor(getattr(s, name))
+    return ids, keep, ans, targets
 
 
 def lm_selection(seqs, lm_fraction: float, gen: torch.Generator | None) -> list[torch.Tensor]:
@@ -249,17 +256,27 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 class RetrievalHead:
     """Captures one attention head's inputs during the forward pass, to score where it attends.
 
-    The retrieval-head loss (``TrainConfig.attn_weight``): at every answer token that copies a needle value, the
-    cross-entropy of head ``head`` of layer ``layer``'s attention distribution (causal softmax of its post-RoPE
-    ``q.k * scaling``, exactly what SDPA computes) with the copied context token as the target. Real LMs retrieve
-    through such heads (sparse "retrieval heads" that attend to the token being copied); supervising one makes
-    the circuit appear without a long plateau. The model stays a plain Llama: nothing of this is in the checkpoint.
+    An auxiliary head loss: the cross-entropy of head ``head`` of layer ``layer``'s attention distribution (causal
+    softmax of its post-RoPE ``q.k * scaling``, exactly what SDPA computes) with a target position per supervised
+    query, from the ``Sequence`` field ``target``:
+
+    - ``src`` (the retrieval head, ``TrainConfig.attn_weight``): at every answer token that copies a needle value,
+      the copied context token. Real LMs retrieve through such heads (sparse "retrieval heads" that attend to the
+      token being copied); supervising one makes the circuit appear without a long plateau.
+    - ``qsrc`` / ``nsrc`` (key gathering, ``Phase.gather_weight``): at an answer token, the last token of its key in
+      the question; at a needle's value token, the last token of that needle's key. Together they put the key on
+      both sides of the retrieval head's match.
+
+    The model stays a plain Llama: nothing of this is in the checkpoint.
     """
 
-    def __init__(self, model, layer: int, head: int):
+    def __init__(self, model, layer: int, head: int, target: str = "src"):
         from core_kv.models.attention import attention_modules
 
+        if target not in ATTN_TARGETS:
+            raise ValueError(f"unknown attention target {target!r}; choose from {ATTN_TARGETS}")
         self.attn = attention_modules(model)[layer]
+        self.target = target
         self.head = head
         self.kv_head = head // self.attn.num_key_value_groups
         self.inputs: dict = {}
@@ -269,8 +286,8 @@ class RetrievalHead:
         self.inputs = {"hidden": kwargs["hidden_states"], "pos": kwargs["position_embeddings"]}
 
     def loss_sum(self, src: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Summed cross-entropy over the queries ``t`` with ``src[:, t+1] >= 0`` (the target at ``t+1`` is copied
-        from ``src``); returns ``(sum, count)``."""
+        """Summed cross-entropy over the queries ``t`` with ``src[:, t+1] >= 0`` (the attention target of query
+        ``t`` is ``src[:, t+1]``); returns ``(sum, count)``."""
         from core_kv.models.attention import apply_rope, prerope_keys, prerope_queries
 
         x, pos = self.inputs["hidden"], self.inputs["pos"]
@@ -293,13 +310,13 @@ class RetrievalHead:
         self.handle.remove()
 
 
-def loss_sums(model, ids, keep, ans, bf16: bool, src=None, head: RetrievalHead | None = None):
-    """Summed LM and answer cross-entropies of one padded batch, per-answer exact match, and (with ``head``) the
-    summed retrieval-head loss.
+def loss_sums(model, ids, keep, ans, bf16: bool, targets: dict | None = None, heads: tuple = ()):
+    """Summed LM and answer cross-entropies of one padded batch, per-answer exact match, and the summed loss of each
+    auxiliary head in ``heads`` (:class:`RetrievalHead`, scored against ``targets[head.target]``).
 
     Returns:
-        ``(lm_sum, ans_sum, em, attn_sum, n_attn)`` with ``em = [(row, answer_id, correct)]`` (teacher-forced argmax
-        of every token of the answer, which equals greedy exact match).
+        ``(lm_sum, ans_sum, em, head_sums)`` with ``em = [(row, answer_id, correct)]`` (teacher-forced argmax of
+        every token of the answer, which equals greedy exact match) and ``head_sums`` one tensor per head.
     """
     with (
         torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and ids.device.type == "cpu"),
@@ -312,7 +329,7 @@ def loss_sums(model, ids, keep, ans, bf16: bool, src=None, head: RetrievalHead |
         sel_ans = (ans_t > 0).nonzero(as_tuple=True)
         logits_lm = model.lm_head(h[sel_lm]).float()  # (N, V)
         logits_ans = model.lm_head(h[sel_ans]).float()  # (N, V)
-        attn_sum, n_attn = head.loss_sum(src) if head is not None else (torch.zeros(()), 0)
+        head_sums = [head.loss_sum(targets[head.target])[0] for head in heads]
     lm_sum = F.cross_entropy(logits_lm, tgt[sel_lm], reduction="sum")
     ans_sum = F.cross_entropy(logits_ans, tgt[sel_ans], reduction="sum")
     correct = (logits_ans.argmax(-1) == tgt[sel_ans]).tolist()
@@ -320,38 +337,41 @@ def loss_sums(model, ids, keep, ans, bf16: bool, src=None, head: RetrievalHead |
     per: dict[tuple[int, int], bool] = {}
     for r, q, c in zip(rows, qa, correct, strict=True):
         per[(r, q)] = per.get((r, q), True) and c
-    return lm_sum, ans_sum, [(r, q, c) for (r, q), c in per.items()], attn_sum, n_attn
+    return lm_sum, ans_sum, [(r, q, c) for (r, q), c in per.items()], head_sums
 
 
 def train_step_loss(
-    model, seqs, pad_id: int, cfg: TrainConfig, gen: torch.Generator, max_tokens: int, head: RetrievalHead | None
+    model, seqs, pad_id: int, cfg: TrainConfig, gen: torch.Generator, max_tokens: int, heads: tuple = ()
 ):
     """Forward and backward of one step in length-bucketed micro-batches (gradients accumulate in ``.grad``).
 
-    The loss is the batch's ``mean LM CE + answer_weight * mean answer CE + attn_weight * mean retrieval-head CE``,
-    exactly as one padded batch would give: every micro-batch's sums are divided by the whole batch's counts.
+    ``heads`` are ``(RetrievalHead, weight)`` pairs. The loss is the batch's ``mean LM CE + answer_weight * mean
+    answer CE + sum of weight * mean head CE``, exactly as one padded batch would give: every micro-batch's sums are
+    divided by the whole batch's counts.
 
     Returns:
-        ``(lm_loss, answer_loss, attn_loss, em)``: floats and ``[(sequence index, answer_id, correct)]``.
+        ``(lm_loss, answer_loss, head_losses, em)``: floats, one mean CE per head, and
+        ``[(sequence index, answer_id, correct)]``.
     """
     keeps = lm_selection(seqs, cfg.lm_fraction, gen)
     n_lm = max(1, sum(int(k[1:].sum()) for k in keeps))
     n_ans = max(1, sum(sum(a > 0 for a in s.ans[1:]) for s in seqs))
-    n_src = max(1, sum(sum(x >= 0 for x in s.src[1:]) for s in seqs))
-    lm_tot, ans_tot, attn_tot, em = 0.0, 0.0, 0.0, []
+    n_head = [max(1, sum(sum(x >= 0 for x in getattr(s, h.target)[1:]) for s in seqs)) for h, _ in heads]
+    lm_tot, ans_tot, head_tot, em = 0.0, 0.0, [0.0] * len(heads), []
     for group in micro_batches([len(s.ids) for s in seqs], max_tokens):
-        batch = collate([seqs[i] for i in group], pad_id, [keeps[i] for i in group])
-        ids, keep, ans, src = (t.to(cfg.device) for t in batch)
-        lm_sum, ans_sum, em_g, attn_sum, _ = loss_sums(model, ids, keep, ans, cfg.bf16, src, head)
+        ids, keep, ans, targets = collate([seqs[i] for i in group], pad_id, [keeps[i] for i in group])
+        ids, keep, ans = ids.to(cfg.device), keep.to(cfg.device), ans.to(cfg.device)
+        targets = {k: v.to(cfg.device) for k, v in targets.items()}
+        lm_sum, ans_sum, em_g, head_sums = loss_sums(model, ids, keep, ans, cfg.bf16, targets, [h for h, _ in heads])
         loss = lm_sum / n_lm + cfg.answer_weight * ans_sum / n_ans
-        if head is not None:
-            loss = loss + cfg.attn_weight * attn_sum / n_src
-            attn_tot += float(attn_sum) / n_src
+        for i, ((_, weight), total) in enumerate(zip(heads, head_sums, strict=True)):
+            loss = loss + weight * total / n_head[i]
+            head_tot[i] += float(total) / n_head[i]
         loss.backward()
         lm_tot += lm_sum.item() / n_lm
         ans_tot += ans_sum.item() / n_ans
         em += [(group[r], q, c) for r, q, c in em_g]
-    return lm_tot, ans_tot, attn_tot, em
+    return lm_tot, ans_tot, head_tot, em
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -496,8 +516,14 @@ def train(cfg: TrainConfig) -> Path:
 
     log = open(out / "log.jsonl", "a", encoding="utf-8")  # noqa: SIM115  # appended to for the whole run
     t_start, last_ckpt = time.time(), time.time()
-    acc = {"lm": 0.0, "ans": 0.0, "attn": 0.0, "n": 0, "tok": 0, "t": 0.0, "em": []}
-    head = RetrievalHead(model, cfg.attn_layer, cfg.attn_head) if cfg.attn_weight > 0 else None
+    fresh = {"lm": 0.0, "ans": 0.0, **dict.fromkeys(ATTN_TARGETS, 0.0), "n": 0, "tok": 0, "t": 0.0}
+    acc = {**fresh, "em": []}
+    aux_heads = {}  # target -> RetrievalHead, for the auxiliary losses this run uses
+    if cfg.attn_weight > 0:
+        aux_heads["src"] = RetrievalHead(model, cfg.attn_layer, cfg.attn_head, "src")
+    if any(p.gather_weight > 0 for p in cfg.phases):
+        aux_heads["qsrc"] = RetrievalHead(model, cfg.gather_layer, cfg.gather_heads[0], "qsrc")
+        aux_heads["nsrc"] = RetrievalHead(model, cfg.gather_layer, cfg.gather_heads[1], "nsrc")
     bar = tqdm(total=cfg.total_steps, initial=state["step"], desc="proxy", mininterval=5, file=sys.stdout)
 
     def checkpoint() -> None:
@@ -513,9 +539,12 @@ def train(cfg: TrainConfig) -> Path:
             g["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
         micro = max(cfg.micro_batch_tokens, 2 * phase.max_len)
-        lm_loss, ans_loss, attn_loss, em = train_step_loss(
-            model, seqs, tokenizer.pad_token_id, cfg, loss_gen, micro, head
+        weights = {"src": cfg.attn_weight, "qsrc": phase.gather_weight, "nsrc": phase.gather_weight}
+        heads = [(h, weights[name]) for name, h in aux_heads.items() if weights[name] > 0]
+        lm_loss, ans_loss, head_losses, em = train_step_loss(
+            model, seqs, tokenizer.pad_token_id, cfg, loss_gen, micro, heads
         )
+        head_loss = {h.target: v for (h, _), v in zip(heads, head_losses, strict=True)}
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         dt = time.time() - t0
@@ -528,7 +557,8 @@ def train(cfg: TrainConfig) -> Path:
             windows.setdefault(seqs[r].task, deque(maxlen=cfg.em_window * 8)).append(int(c))
         acc["lm"] += lm_loss
         acc["ans"] += ans_loss
-        acc["attn"] += attn_loss
+        for name in ATTN_TARGETS:
+            acc[name] += head_loss.get(name, 0.0)
         acc["n"] += 1
         acc["tok"] += n_tok
         acc["t"] += dt
@@ -553,7 +583,8 @@ def train(cfg: TrainConfig) -> Path:
                 "len": phase.max_len,
                 "lm_loss": acc["lm"] / acc["n"],
                 "answer_loss": acc["ans"] / acc["n"],
-                "attn_loss": acc["attn"] / acc["n"],
+                "attn_loss": acc["src"] / acc["n"],
+                "gather_loss": (acc["qsrc"] + acc["nsrc"]) / acc["n"],
                 "train_em": sum(acc["em"]) / max(1, len(acc["em"])),
                 "running_em": run_em,
                 "task_em": {t: round(sum(w) / len(w), 3) for t, w in sorted(windows.items()) if w},
@@ -581,7 +612,7 @@ def train(cfg: TrainConfig) -> Path:
                 print(
                     "\nprobe", state["step"], json.dumps({k: round(v, 2) for k, v in row["probe"].items()}), flush=True
                 )
-            acc = {"lm": 0.0, "ans": 0.0, "attn": 0.0, "n": 0, "tok": 0, "t": 0.0, "em": []}
+            acc = {**fresh, "em": []}
 
         if time.time() - last_ckpt >= cfg.ckpt_every_s:
             checkpoint()
@@ -591,7 +622,7 @@ def train(cfg: TrainConfig) -> Path:
             break
     checkpoint()
     bar.close()
-    if head is not None:
+    for head in aux_heads.values():
         head.remove()
     log.close()
     return out / "ckpt"
