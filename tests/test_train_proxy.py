@@ -230,6 +230,7 @@ def test_bf16_export_loads_as_fp32_and_replaces_the_folder_whole(straight, tmp_p
 def test_auxiliary_head_losses_are_trained_and_logged(tmp_path):
     phase = {"min_len": 48, "max_len": 96, "tokens_per_step": 256, "gather_weight": 0.5,
              "mix": {"niah_single_1": 0.5, "mk_noise": 0.5}}  # fmt: skip
-    train(_cfg(tmp_path, total_steps=2, attn_weight=1.0, gather_layer=0, phases=[phase]))
+    train(_cfg(tmp_path, total_steps=2, attn_weight=1.0, gather_layer=0, phases=[phase], probe_every=1))
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert all(r["attn_loss"] > 0 and r["gather_loss"] > 0 for r in rows)
+    assert all(0 <= v <= 1 for r in rows for v in r["probe"].values())  # the periodic probe runs too

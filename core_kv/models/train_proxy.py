@@ -396,7 +396,8 @@ def probe(model, probes: dict[str, list], bf16: bool) -> dict[str, float]:
     for name, seqs in probes.items():
         hits = 0
         for s in seqs:
-            ids, keep, ans, _ = (t.to(model.device) for t in collate([s], 0))
+            ids, keep, ans, _ = collate([s], 0)
+            ids, keep, ans = ids.to(model.device), keep.to(model.device), ans.to(model.device)
             ans = torch.where(ans == 1, ans, torch.zeros_like(ans))
             em = loss_sums(model, ids, keep, ans, bf16)[2]
             hits += int(all(c for _, _, c in em))
