@@ -132,22 +132,24 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> 
     Returns:
         The written path.
     """
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     from core_kv.io import atomic_write
 
     ref = _lookup(cells, REFERENCE, 0.0)
-    fig = Figure(figsize=(6.0, 4.0))
+    fig = Figure(figsize=(7.5, 4.0))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    for m in _methods(cells):
-        if m == REFERENCE:
-            continue
+    methods = [m for m in _methods(cells) if m != REFERENCE]
+    colors = matplotlib.colormaps["tab20"].colors  # 10 default colours repeat for the 14-method grid
+    for i, m in enumerate(methods):
         pts = sorted((c["ratio"], c["average"]) for c in cells if c["method"] == m)
         if ref is not None:
             pts = [(0.0, ref["average"]), *pts]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        style = {"color": colors[i % len(colors)], "marker": "osD^v<>"[i % 7]}
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, **style)
     if ref is not None:
         ax.axhline(ref["average"], color="black", linestyle="--", linewidth=1, label=f"{REFERENCE} (no compression)")
     first = cells[0]
@@ -158,7 +160,7 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> 
     if first.get("unit", "").startswith("score (0-100)"):
         ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: curves cross the whole plot
     fig.tight_layout()
     path = Path(path)
     return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))

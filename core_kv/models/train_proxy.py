@@ -366,7 +366,7 @@ def train_step_loss(
         loss = lm_sum / n_lm + cfg.answer_weight * ans_sum / n_ans
         for i, ((_, weight), total) in enumerate(zip(heads, head_sums, strict=True)):
             loss = loss + weight * total / n_head[i]
-            head_tot[i] += float(total) / n_head[i]
+            head_tot[i] += total.item() / n_head[i]
         loss.backward()
         lm_tot += lm_sum.item() / n_lm
         ans_tot += ans_sum.item() / n_ans
