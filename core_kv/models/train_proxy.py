@@ -285,16 +285,16 @@ class RetrievalHead:
     def _capture(self, module, args, kwargs, output) -> None:
         self.inputs = {"hidden": kwargs["hidden_states"], "pos": kwargs["position_embeddings"]}
 
-    def loss_sum(self, src: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def loss_sum(self, src: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy over the queries ``t`` with ``src[:, t+1] >= 0`` (the attention target of query
-        ``t`` is ``src[:, t+1]``); returns ``(sum, count)``."""
+        ``t`` is ``src[:, t+1]``); the caller divides by the whole batch's count of such queries."""
         from core_kv.models.attention import apply_rope, prerope_keys, prerope_queries
 
         x, pos = self.inputs["hidden"], self.inputs["pos"]
         q = apply_rope(self.attn, prerope_queries(self.attn, x)[:, self.head : self.head + 1], pos)[:, 0]  # (B, T, D)
         k = apply_rope(self.attn, prerope_keys(self.attn, x)[:, self.kv_head : self.kv_head + 1], pos)[:, 0]
         target = src[:, 1:]  # (B, T-1): query t predicts token t+1
-        total, count = q.new_zeros((), dtype=torch.float32), 0
+        total = q.new_zeros((), dtype=torch.float32)
         for b in range(x.shape[0]):
             rows = (target[b] >= 0).nonzero().flatten()  # (N,)
             if not len(rows):
@@ -303,8 +303,7 @@ class RetrievalHead:
             future = torch.arange(k.shape[1], device=k.device)[None, :] > rows[:, None]
             logits = logits.masked_fill(future, float("-inf"))
             total = total + F.cross_entropy(logits, target[b, rows], reduction="sum")
-            count += len(rows)
-        return total, count
+        return total
 
     def remove(self) -> None:
         self.handle.remove()
@@ -329,7 +328,7 @@ def loss_sums(model, ids, keep, ans, bf16: bool, targets: dict | None = None, he
         sel_ans = (ans_t > 0).nonzero(as_tuple=True)
         logits_lm = model.lm_head(h[sel_lm]).float()  # (N, V)
         logits_ans = model.lm_head(h[sel_ans]).float()  # (N, V)
-        head_sums = [head.loss_sum(targets[head.target])[0] for head in heads]
+        head_sums = [head.loss_sum(targets[head.target]) for head in heads]
     lm_sum = F.cross_entropy(logits_lm, tgt[sel_lm], reduction="sum")
     ans_sum = F.cross_entropy(logits_ans, tgt[sel_ans], reduction="sum")
     correct = (logits_ans.argmax(-1) == tgt[sel_ans]).tolist()
