@@ -213,8 +213,9 @@ def test_bf16_export_loads_as_fp32_and_replaces_the_folder_whole(straight, tmp_p
     out, ckpt = straight
     dst = tmp_path / "export"
     dst.mkdir()
-    (dst / "stale.json").write_text("{}")  # a file of an earlier export: gone after the swap
-    export(_cfg(out, export_dir=str(dst), export_dtype="bfloat16"))
+    (dst / "stale.json").write_text("{}")  # a file of an earlier export: gone after the swap, and named
+    with pytest.warns(UserWarning, match=r"removed stale\.json \(not written by export\)"):
+        export(_cfg(out, export_dir=str(dst), export_dtype="bfloat16"))
     assert not (dst / "stale.json").exists() and not (tmp_path / "export.tmp").exists()
     with safe_open(str(dst / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}

@@ -25,6 +25,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,10 +64,6 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = True
-    # >0: at init, every adjective token and every noun token of the RULER key lists gets a shared random component
-    # (one per list, this many times the init std per dimension), so "a key word" is one direction from step 0.
-    # 6.8k nouns are rare tokens whose embeddings otherwise stay random and unrelated (mean cosine 0.01).
-    key_word_init: float = 0.0
 
 
 @dataclass
@@ -101,7 +98,7 @@ class TrainConfig:
     base_vocab: int = 4096  # BPE size before the key-word merges
     key_word_tokens: bool = True  # False: plain BPE of base_vocab tokens (feasibility recipe), keys split into pieces
     uuid_chars: bool = False  # one token per UUID character (proxy_tokenizer)
-    key_sentences: int = -1  # needle sentences in the BPE corpus; -1 = one per noun
+    key_sentences: int | None = None  # needle sentences in the BPE corpus; None = one per noun
     model: ModelConfig = field(default_factory=ModelConfig)
     phases: list[Phase] = field(default_factory=lambda: [Phase()])
     total_steps: int = 3000
@@ -153,7 +150,7 @@ class TrainConfig:
 
 # ---- tokenizer and model ---------------------------------------------------------------------------------------
 def build_proxy_tokenizer(
-    base_vocab: int = 4096, key_words: bool = True, uuid_chars: bool = False, key_sentences: int = -1
+    base_vocab: int = 4096, key_words: bool = True, uuid_chars: bool = False, key_sentences: int | None = None
 ):
     """The proxy tokenizer trained on the training essays only (see ``proxy_tokenizer``)."""
     from core_kv.eval.resources import essay_files, words
@@ -163,7 +160,7 @@ def build_proxy_tokenizer(
     held = held_out_essays()
     essays = [f.read_text(encoding="utf-8") for f in essay_files() if f.stem not in held]
     adjs, nouns = words("adjectives"), words("nouns")
-    corpus = default_corpus(essays, adjs, nouns, None if key_sentences < 0 else key_sentences)
+    corpus = default_corpus(essays, adjs, nouns, key_sentences)
     return build_tokenizer(corpus, adjs, nouns, base_vocab=base_vocab, key_words=key_words, uuid_chars=uuid_chars)
 
 
@@ -187,17 +184,6 @@ def build_model(cfg: ModelConfig, tokenizer):
     )
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
-    if cfg.key_word_init > 0:
-        from core_kv.eval.resources import words
-        from core_kv.models.proxy_tokenizer import key_word_pieces
-
-        emb = model.get_input_embeddings().weight  # (V, H)
-        std = config.initializer_range * cfg.key_word_init
-        with torch.no_grad():
-            for adjs, nouns in ((words("adjectives"), ()), ((), words("nouns"))):
-                ids = [tokenizer.convert_tokens_to_ids(p) for p in key_word_pieces(adjs, nouns)]
-                ids = [i for i in ids if i is not None and i != tokenizer.unk_token_id]
-                emb[ids] += torch.randn(emb.shape[1]) * std
     return model
 
 
@@ -707,7 +693,14 @@ def export(cfg: TrainConfig) -> Path:
     atomic_write_json(tmp / "training_config.json", to_dict(cfg))
     write_stage_log(out, tmp / "training_log.jsonl")
     plot_loss(tmp / "training_log.jsonl", tmp / "loss_curve.png")
+    dropped = sorted(p.name for p in dst.iterdir() if not (tmp / p.name).exists()) if dst.is_dir() else []
     swap_in(tmp, dst)
+    if dropped:  # e.g. the hand-written model card and eval_proxy's scores, which describe the model just replaced
+        warnings.warn(
+            f"export replaced {dst} whole and removed {', '.join(dropped)} (not written by export): they described "
+            "the previous model; rewrite them for this one (or restore them from git if it is the same model)",
+            stacklevel=2,
+        )
     return dst
 
 
