@@ -626,7 +626,7 @@ def plot_loss(log_path: Path, png: Path) -> None:
     )  # a resume re-logs the steps after its checkpoint
     rows.sort(key=lambda r: r["step"])
     step = [r["step"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.5))
     a.plot(step, [r["lm_loss"] for r in rows], label="LM loss (nats/token)")
     a.plot(step, [r["answer_loss"] for r in rows], label="answer loss (nats/token)")
     a.set_yscale("log")
@@ -639,7 +639,7 @@ def plot_loss(log_path: Path, png: Path) -> None:
         b.plot(*zip(*pts, strict=True), marker="o", ms=3, label=key)
     b.set_xlabel("step")
     b.set_ylim(-0.02, 1.02)
-    b.legend(fontsize=6)
+    b.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, not over the curves
     for ax in (a, b):
         for r0, r1 in zip(rows, rows[1:], strict=False):
             if r1["phase"] != r0["phase"]:
