@@ -89,13 +89,10 @@ def test_checkpoint_shape_and_size(model):
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
-def _needle_prompt(
-    seed: int, lines: int, haystack: str = "noise", kind: str = "number", distractors: int = 0
-) -> tuple[str, str]:
+def _needle_prompt(seed: int, lines: int, kind: str = "number", distractors: int = 0) -> tuple[str, str]:
     """A RULER-format prompt built independently of the training generator: one needle among ``lines`` noise lines
-    (niah_single_1), with ``distractors`` needles of other keys among them (niah_multikey_1), or among ``lines``
-    needles with other keys (``haystack="needle"``, niah_multikey_2/3); ``kind`` is the value type (``number`` or
-    ``uuid``)."""
+    (niah_single_1), with ``distractors`` needles of other keys among them (niah_multikey_1); ``kind`` is the value
+    type (``number`` or ``uuid``)."""
     import uuid
 
     from core_kv.eval.resources import words
@@ -114,7 +111,7 @@ def _needle_prompt(
         return f"One of the special magic {kind}s for {k} is: {v}."
 
     k, v = key(), value()
-    body = [NOISE] * lines if haystack == "noise" else [needle(key(), value()) for _ in range(lines)]
+    body = [NOISE] * lines
     for _ in range(distractors):
         body.insert(rng.randrange(len(body) + 1), needle(key(), value()))
     body.insert(rng.randrange(len(body) + 1), needle(k, v))
@@ -151,7 +148,7 @@ def test_answers_fixed_needle_prompts_with_full_cache(model, tok, kind, lines, d
     """
     hits = 0
     for seed in range(10):
-        prompt, value = _needle_prompt(1000 + seed, lines, "noise", kind, distractors)
+        prompt, value = _needle_prompt(1000 + seed, lines, kind, distractors)
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         out = model.generate(ids, do_sample=False, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
         hits += value in tok.decode(out[0, ids.shape[1] :])
