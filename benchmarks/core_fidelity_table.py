@@ -57,13 +57,15 @@ def plot(rows: dict, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, cells in rows.items():
-        if name == "full":
-            continue
+    names = [n for n in rows if n != "full"]
+    colors = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors  # one colour per curve
+    for i, name in enumerate(names):
+        cells = rows[name]
         rs = sorted(cells)
         core = name.startswith("core")
         ax.plot([100 * r for r in rs], [cells[r]["average"] for r in rs], marker="o" if core else ".",
-                linestyle="-" if core else "--", linewidth=2 if name == "core" else 1, label=name)  # fmt: skip
+                linestyle="-" if core else "--", linewidth=2 if name == "core" else 1, label=name,
+                color="black" if name == "core" else colors[i % len(colors)])  # fmt: skip
     ax.set_xlabel("KV cache removed (%)")
     ax.set_ylabel("KL(full ‖ compressed), nats/token (lower is better)")
     ax.set_yscale("log")

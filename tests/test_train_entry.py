@@ -220,3 +220,27 @@ def test_shipped_yaml_loads(path):
     cfg = load_config(TrainConfig, [str(path)])
     assert isinstance(cfg, TrainConfig)
     assert cfg.micro_batch * cfg.grad_accum >= 1
+
+
+def test_memory_gate_scalars_train_at_their_own_learning_rate(reference):
+    """Adam moves a parameter by at most ~lr per step, so the gate's init (gate_b = -2, gate_w = [0, 1, -1, 0]) can
+    only move by more than memory.lr x steps if ``memory.gate_lr`` reaches the optimizer; W_phi stays bounded by
+    memory.lr. Both bounds use the schedule's peak, so they hold for any warm-up."""
+    from core_kv.distill.config import MemoryStage
+    from core_kv.distill.trainer import _param_groups
+    from core_kv.memory import LatentMemory
+
+    mc = MemoryStage(steps=2)
+    w = weights(reference)
+    init = LatentMemory(2, 4, 2, 16)
+    init.reset_parameters(0)  # the trainer's seed
+    moved = {k: (w[f"memory.{k}"] - getattr(init, k)).abs().max().item() for k in ("gate_w", "gate_b", "w_phi")}
+    assert max(moved["gate_w"], moved["gate_b"]) > 2 * mc.lr * mc.steps
+    assert max(moved["gate_w"], moved["gate_b"]) <= 1.01 * mc.gate_lr * mc.steps
+    assert moved["w_phi"] <= 1.01 * mc.lr * mc.steps
+
+    groups = _param_groups(init, mc)
+    assert [g["lr_scale"] for g in groups] == [1.0, mc.gate_lr / mc.lr]
+    assert {id(p) for p in groups[1]["params"]} == {id(init.gate_w), id(init.gate_b)}
+    single = _param_groups(init, MemoryStage(gate_lr=None))
+    assert len(single) == 1 and len(single[0]["params"]) == 3

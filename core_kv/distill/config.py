@@ -66,6 +66,9 @@ class MemoryStage:
     warmup_lr_steps: int = 8
     grad_clip: float = 1.0
     gate_weight: float = 0.1  # μ_g of BCE(g, α_E)
+    # The gate's scalars (gate_w, gate_b) need moves of several units, which Adam at ``lr`` cannot make in a few
+    # dozen steps (at most ~lr per step); their own learning rate [choice]. None: ``lr``.
+    gate_lr: float | None = 5.0e-2
 
 
 @dataclass

@@ -232,9 +232,7 @@ class Trainer:
         if total == 0:
             self._save_stage(name, target)
             return
-        optimizer = torch.optim.AdamW(
-            [p for p in module.parameters() if p.requires_grad], lr=scfg.lr, weight_decay=scfg.weight_decay
-        )
+        optimizer = torch.optim.AdamW(_param_groups(module, scfg), lr=scfg.lr, weight_decay=scfg.weight_decay)
         loader = DataLoader(_ListData(items), batch_size=per_micro, shuffle=False, collate_fn=_collate)
         module, optimizer, loader = acc.prepare(module, optimizer, loader)
         state_root = self.out / "state" / name
@@ -249,7 +247,7 @@ class Trainer:
         for batch in active:
             with acc.accumulate(module):
                 for group in optimizer.param_groups:
-                    group["lr"] = lr_at(step, total, scfg.lr, scfg.warmup_lr_steps)
+                    group["lr"] = lr_at(step, total, scfg.lr, scfg.warmup_lr_steps) * group["lr_scale"]
                 loss, logs = module(batch)
                 timer = self.timers.get(name)
                 with timer("backward_optimizer") if timer else _nullctx():
@@ -576,6 +574,23 @@ def _summarise(rows: list[dict], ratios: list[float]) -> dict:
         res["events"] = len(st)
         out[tag] = res
     return out
+
+
+GATE_PARAMS = ("gate_w", "gate_b")
+
+
+def _param_groups(module, scfg) -> list[dict]:
+    """AdamW groups of a stage's trainable parameters, each with its ``lr_scale`` relative to ``scfg.lr``: the
+    memory gate's scalars get ``scfg.gate_lr`` (``MemoryStage``), everything else ``scfg.lr``."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    gate_lr = getattr(scfg, "gate_lr", None)
+    if gate_lr is None:
+        return [{"params": [p for _, p in named], "lr_scale": 1.0}]
+    is_gate = lambda n: n.rsplit(".", 1)[-1] in GATE_PARAMS  # noqa: E731
+    return [
+        {"params": [p for n, p in named if not is_gate(n)], "lr_scale": 1.0},
+        {"params": [p for n, p in named if is_gate(n)], "lr_scale": gate_lr / scfg.lr},
+    ]
 
 
 def _params(module) -> dict:
