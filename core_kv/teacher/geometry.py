@@ -38,14 +38,17 @@ class FingerprintMismatch(ValueError):
 def model_fingerprint(model: nn.Module) -> dict:
     """Name, revision, layer/head shapes and a digest of the first layer's key projection.
 
-    The digest separates two checkpoints that share a name (e.g. two random inits of a config-built model).
+    The digest separates two checkpoints that share a name (e.g. two random inits of a config-built model). A
+    packaged model's converted folder is named by its short name (``smollm2-135m``), wherever the cache lives.
     """
+    from core_kv.models.packaged import canonical_name
+
     cfg = model.config
     attn = attention_modules(model)[0]
     w = attn.qkv_proj.weight if hasattr(attn, "qkv_proj") else attn.k_proj.weight
     digest = hashlib.sha256(w.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
     return {
-        "name": str(getattr(cfg, "_name_or_path", "") or type(model).__name__),
+        "name": canonical_name(str(getattr(cfg, "_name_or_path", "") or type(model).__name__)),
         "revision": getattr(cfg, "_commit_hash", None),
         "model_type": cfg.model_type,
         **model_dims(model),

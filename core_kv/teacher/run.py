@@ -28,7 +28,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -213,7 +213,11 @@ class Doc:
 def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    from core_kv.models.packaged import resolve_model_path
+
     dtype = getattr(torch, spec_.dtype)
+    if not spec_.random_init:
+        spec_ = replace(spec_, path=resolve_model_path(spec_.path), tokenizer=resolve_model_path(spec_.tokenizer))
     local = spec_.path.startswith(("checkpoints/", "runs/", "./", "/"))
     if not spec_.random_init and local and not Path(spec_.path).is_dir():
         raise FileNotFoundError(

