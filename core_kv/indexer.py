@@ -279,7 +279,9 @@ def check_artifact(path: Path) -> None:
         raise ValueError(f"{weights}: unreadable ({type(e).__name__}: {e})") from e
     missing, extra = sorted(set(expected) - stored), sorted(stored - set(expected))
     if missing or extra:
-        raise ValueError(f"{weights}: missing tensors {missing[:5]}, unexpected tensors {extra[:5]} for {cfg_file.name}")
+        raise ValueError(
+            f"{weights}: missing tensors {missing[:5]}, unexpected tensors {extra[:5]} for {cfg_file.name}"
+        )
 
 
 __all__ = ["CoreConfig", "CoreIndexer", "CoreModel", "FingerprintMismatch", "indexer_mlp"]
