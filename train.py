@@ -15,7 +15,7 @@ from core_kv.distill.trainer import train
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = load_config(TrainConfig, sys.argv[1:] if argv is None else argv)
+    cfg = load_config(TrainConfig, sys.argv[1:] if argv is None else argv, usage=__doc__)
     return train(cfg)
 
 
