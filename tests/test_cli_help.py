@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# runpy warns when re-running a module that an earlier test imported; the rerun is what `python -m` does
+pytestmark = pytest.mark.filterwarnings("ignore:.*found in sys.modules after import:RuntimeWarning")
 
 # (how to run it, what it is: a file relative to the repository or a module)
 ENTRY_POINTS = [
