@@ -9,7 +9,7 @@ Usage::
         --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 1 eval.py configs/eval/smoke.yaml
 
 Arguments are YAML files (overriding :class:`core_kv.eval.runner.EvalConfig` defaults) and ``a.b=v`` overrides;
-``--help`` prints the defaults.
+``--help`` prints every option with its type, default and doc.
 """
 
 import sys
@@ -19,13 +19,7 @@ from core_kv.eval.runner import EvalConfig, run_eval
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help"} & set(argv):
-        from omegaconf import OmegaConf
-
-        print(__doc__ + "\nDefaults (EvalConfig):\n\n" + OmegaConf.to_yaml(OmegaConf.structured(EvalConfig)))
-        return
-    cfg = load_config(EvalConfig, argv)
+    cfg = load_config(EvalConfig, sys.argv[1:] if argv is None else argv, usage=__doc__)
     results = run_eval(cfg)
     if results.markdown:
         print(results.markdown)

@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="tiny", help="local model folder, or tiny (config-built, untrained artifact)")
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75, 0.9])
-    ap.add_argument("--ratio", type=float, default=0.75, help="ratio of the write-rule table (paper: 75%)")
+    ap.add_argument("--ratio", type=float, default=0.75, help="ratio of the write-rule table (paper: 75%%)")
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--tail", type=int, default=64, help="teacher-forced continuation tokens after the context")

@@ -3,11 +3,18 @@
 Example::
 
     cfg = load_config(EvalConfig, ["configs/eval/ruler.yaml", "methods=[snapkv,knorm]", "ratios=[0.5]"])
+
+``--help``/``-h`` among the arguments prints the entry point's usage and every field of the config tree (dotted name,
+type, default, the one-line doc from the dataclass's ``Args:`` section or the field's comment) and exits 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
+import sys
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,12 +23,17 @@ from omegaconf import OmegaConf
 T = TypeVar("T")
 
 
-def load_config(schema: type[T], argv: list[str] | None = None) -> T:
+def load_config(schema: type[T], argv: list[str] | None = None, usage: str | None = None) -> T:
     """Build ``schema`` from defaults, then YAML files (``*.yaml``/``--config F``), then ``a.b=v`` dotlist overrides.
 
     Unknown keys and wrongly typed values raise, naming the key; ``__post_init__`` validation runs on the result.
+    With ``--help``/``-h`` in ``argv`` it prints ``usage`` (the entry point's docstring) and :func:`config_help`,
+    then exits 0.
     """
     argv = list(argv or [])
+    if {"-h", "--help"} & set(argv):
+        print(config_help(schema, usage))
+        sys.exit(0)
     base = OmegaConf.structured(schema)
     layers = []
     i = 0
@@ -47,6 +59,84 @@ def load_config(schema: type[T], argv: list[str] | None = None) -> T:
     except Exception as e:  # omegaconf's errors name the key; re-raise as ValueError for one error type
         raise ValueError(f"invalid config for {schema.__name__}: {e}") from e
     return OmegaConf.to_object(merged)  # type: ignore[return-value]  # runs __post_init__
+
+
+def config_help(schema: type, usage: str | None = None) -> str:
+    """``usage`` plus one line per field of ``schema``'s tree: ``dotted.name  type  = default  doc``."""
+    head = (usage or schema.__doc__ or schema.__name__).strip()
+    if not head.lower().startswith("usage"):
+        head = "usage: " + head
+    rows: list[tuple[str, str, str, str]] = []
+    _field_rows(schema, schema(), "", rows)
+    wn, wt = max(len(r[0]) for r in rows), min(max(len(r[1]) for r in rows), 28)
+    lines = [head, "", f"options ({schema.__name__}: YAML files and a.b=v overrides; nested fields by dotted name):"]
+    lines += [f"  {n:<{wn}}  {t:<{wt}}  = {d}" + (f"  {doc}" if doc else "") for n, t, d, doc in rows]
+    return "\n".join(lines)
+
+
+def _field_rows(cls: type, value: Any, prefix: str, rows: list) -> None:
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an unresolvable annotation: fall back to the annotation strings
+        hints = {}
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        name, t, v = prefix + f.name, hints.get(f.name, f.type), getattr(value, f.name)
+        if dataclasses.is_dataclass(t) and isinstance(t, type):
+            rows.append((name, t.__name__, "{...}", docs.get(f.name, _first_line(t.__doc__))))
+            _field_rows(t, v, name + ".", rows)
+            continue
+        rows.append((name, _type_name(t), _short(v), docs.get(f.name, "")))
+        inner = typing.get_args(t)
+        if typing.get_origin(t) is dict and len(inner) == 2 and dataclasses.is_dataclass(inner[1]):
+            for key, item in (v or {}).items():  # e.g. EvalConfig.datasets: its default entries, field by field
+                _field_rows(inner[1], item, f"{name}.{key}.", rows)
+            _field_rows(inner[1], inner[1](), f"{name}.<key>.", rows)
+
+
+def _type_name(t: Any) -> str:
+    if isinstance(t, type) and not typing.get_args(t):
+        return t.__name__
+    return re.sub(r"\b(typing|builtins|core_kv)\.([\w.]*\.)?", "", str(t)).replace("NoneType", "None")
+
+
+def _short(v: Any, width: int = 60) -> str:
+    if dataclasses.is_dataclass(v):
+        v = to_dict(v)
+    elif isinstance(v, dict):
+        v = {k: to_dict(x) if dataclasses.is_dataclass(x) else x for k, x in v.items()}
+    text = repr(v)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _first_line(doc: str | None) -> str:
+    return (doc or "").strip().split("\n")[0]
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """One-line docs per field: the Google-style ``Args:`` entry of the class docstring (``a / b:`` and ``a, b:``
+    name several fields), else the field's trailing ``# comment`` in the source."""
+    docs: dict[str, str] = {}
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        source = ""
+    for m in re.finditer(r"^\s+(\w+)\s*:[^=\n]+=[^#\n]*#\s*(.+)$", source, re.M):
+        comment = m.group(2).strip()
+        if not comment.startswith(("fmt:", "noqa", "type:")):
+            docs[m.group(1)] = comment
+    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
+    if "Args:" in lines:
+        for line in lines[lines.index("Args:") + 1 :]:
+            if line and not line.startswith(" "):
+                break  # the next section
+            m = re.match(r"^    ([\w ,/]+):\s*(.*)$", line)
+            if m:
+                for n in re.split(r"[,/]", m.group(1)):
+                    docs[n.strip()] = m.group(2)  # the entry's first line
+    return docs
 
 
 def to_dict(cfg: Any) -> dict:

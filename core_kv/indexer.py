@@ -18,6 +18,8 @@ M prototypes.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -213,8 +215,14 @@ class CoreModel(CorePreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, path, *args, base_model: nn.Module | None = None, **kwargs) -> CoreModel:
-        """Load an artifact folder offline; with ``base_model`` also check it matches (clear error if not)."""
+        """Load an artifact folder offline; with ``base_model`` also check it matches (clear error if not).
+
+        A local folder is checked first, naming the file: ``config.json``'s settings (counts, protected positions,
+        write rule) and every tensor of ``model.safetensors`` (present, the shape the config implies, finite).
+        """
         kwargs.setdefault("local_files_only", True)
+        if Path(path).is_dir():
+            check_artifact(Path(path))
         core = super().from_pretrained(path, *args, **kwargs)
         if core.config.artifact_version != ARTIFACT_VERSION:
             raise ValueError(f"{path}: artifact v{core.config.artifact_version}, this code reads v{ARTIFACT_VERSION}")
@@ -232,6 +240,48 @@ class CoreModel(CorePreTrainedModel):
             "indexer": sum(p.numel() for p in self.indexer.parameters()),
             "memory": sum(p.numel() for p in self.memory.parameters()),
         }
+
+
+def check_artifact(path: Path) -> None:
+    """Raise ``ValueError`` naming the file when an artifact folder's config or tensors are unusable."""
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    try:
+        config = CoreConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{cfg_file}: invalid CORE config ({e})") from e
+    for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_z", "num_prototypes", "memory_dim",
+                 "chunk_size", "protected_sinks", "protected_recent"):  # fmt: skip
+        v, low = getattr(config, name, None), 0 if name.startswith("protected") else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{cfg_file}: {name} must be an integer >= {low}, got {v!r}")
+    if config.num_heads % config.num_kv_heads:
+        raise ValueError(f"{cfg_file}: num_heads ({config.num_heads}) must be a multiple of num_kv_heads")
+    if not weights.is_file():
+        return  # a sharded or hub layout: transformers reports what is missing
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in CoreModel(config).state_dict().items()}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            stored = set(f.keys())
+            for key in sorted(stored & set(expected)):
+                t = f.get_tensor(key)
+                if tuple(t.shape) != expected[key]:
+                    raise ValueError(
+                        f"{weights}: tensor {key} has shape {tuple(t.shape)}, {cfg_file.name} implies {expected[key]}"
+                    )
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise ValueError(f"{weights}: tensor {key} holds NaN/Inf values (a corrupt or diverged artifact)")
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors' own errors (truncated file, bad header) name no path
+        raise ValueError(f"{weights}: unreadable ({type(e).__name__}: {e})") from e
+    missing, extra = sorted(set(expected) - stored), sorted(stored - set(expected))
+    if missing or extra:
+        raise ValueError(
+            f"{weights}: missing tensors {missing[:5]}, unexpected tensors {extra[:5]} for {cfg_file.name}"
+        )
 
 
 __all__ = ["CoreConfig", "CoreIndexer", "CoreModel", "FingerprintMismatch", "indexer_mlp"]

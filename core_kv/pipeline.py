@@ -192,7 +192,16 @@ def answer_questions(
 
     ``stop_at_newline`` ends each answer before the first token after the first one whose text contains a newline.
     Returns ``{"answers": [str], "context_length": N, "kv_bytes": {...}, "aux_bytes": int}``.
+
+    Raises:
+        ValueError: an empty (or whitespace-only) ``context``, no ``questions``, or ``questions`` given as a string.
     """
+    if isinstance(questions, str) or not isinstance(questions, (list, tuple)):
+        raise ValueError(f"questions must be a list of strings, got {type(questions).__name__}")
+    if not questions:
+        raise ValueError("questions is empty: pass at least one question")
+    if not isinstance(context, str) or not context.strip():
+        raise ValueError("context is empty: there is nothing to compress (pass the long text the questions are about)")
     enc = encode(tokenizer, context, questions, answer_prefixes, use_chat_template, max_context_length)
     stop = newline_token_ids(tokenizer) if stop_at_newline else None
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(questions)

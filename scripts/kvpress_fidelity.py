@@ -22,7 +22,12 @@ CI never needs kvpress: the test only reads these files.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):  # before importing kvpress (another venv)
+    print("usage: python scripts/kvpress_fidelity.py  (no options)\n\n" + __doc__)
+    sys.exit(0)
 
 import kvpress
 import torch

@@ -281,3 +281,82 @@ def test_certificate_logged_per_head_and_exact_bound_holds(artifact, llama):
         assert min(r["holds_exact"]) == 1.0
         assert all(0 <= a <= 1 for a in r["alpha"])
     assert press.aux_breakdown()["memory_state"] == press.core.memory.state_bytes()  # the shadow is not counted
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Issue 16: the artifact's settings win unless overridden; bad artifacts and inputs are named
+
+
+def _artifact_with(artifact, tmp_path, **config) -> object:
+    core, _ = artifact
+    c = CoreConfig(**{**core.config.to_dict(), **config})
+    other = CoreModel(c)
+    other.load_state_dict(core.state_dict())
+    path = tmp_path / "final"
+    other.save_pretrained(path)
+    return path
+
+
+def test_protected_positions_come_from_the_artifact(artifact, tmp_path, llama):
+    """An artifact trained with protected_recent=8 / sinks=2 runs with them; an explicit other value wins with a
+    warning; invalid stored values are refused at load, naming the file."""
+    import warnings
+
+    path = _artifact_with(artifact, tmp_path, protected_sinks=2, protected_recent=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        press = press_for(path, compression_ratio=0.5)
+        assert (press.protected_sinks, press.protected_recent) == (2, 8)
+        assert press_for(path, compression_ratio=0.5, protected_recent=8).protected_recent == 8  # same: no warning
+    with pytest.warns(UserWarning, match="protected_recent=16.*trained with 8"):
+        assert press_for(path, compression_ratio=0.5, protected_recent=16).protected_recent == 16
+    assert press.config_dict()["protected_recent"] == 8  # results folders record the value used
+    bad = _artifact_with(artifact, tmp_path / "bad", protected_recent=-1)
+    with pytest.raises(ValueError, match=r"protected_recent.*config\.json|config\.json.*protected_recent"):
+        press_for(bad, compression_ratio=0.5)
+
+
+def test_corrupt_artifact_tensors_are_refused_at_load(artifact, tmp_path):
+    """NaN/Inf in an artifact's tensors, or a tensor whose shape does not match config.json, is refused when the
+    artifact loads, naming the file and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    core, src = artifact
+    for name, edit in [("nan", lambda t: t.fill_(float("nan"))), ("inf", lambda t: t.fill_(float("inf")))]:
+        path = tmp_path / name
+        core.save_pretrained(path)
+        tensors = load_file(str(path / "model.safetensors"))
+        edit(tensors["memory.w_phi"])
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=r"model\.safetensors.*memory\.w_phi.*(NaN|Inf)"):
+            CoreModel.from_pretrained(path)
+    path = tmp_path / "shape"
+    core.save_pretrained(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["indexer.temperature"] = torch.ones(5)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.safetensors.*indexer\.temperature"):
+        CoreModel.from_pretrained(path)
+    path = tmp_path / "missing"
+    core.save_pretrained(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["geo_proj"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.safetensors.*geo_proj"):
+        CoreModel.from_pretrained(path)
+
+
+def test_nan_inputs_are_named_at_the_press_boundary(artifact, llama):
+    """NaN hidden states reach the core press as a clear error naming the layer, not a Cholesky failure."""
+    _, path = artifact
+    press = press_for(path, compression_ratio=0.5)
+    emb = llama.get_input_embeddings()
+    saved = emb.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            emb.weight.fill_(float("nan"))
+        with pytest.raises(ValueError, match=r"CorePress.*NaN.*\(layer 0\)"):
+            prefill(llama, ids(), press)
+    finally:
+        with torch.no_grad():
+            emb.weight.copy_(saved)

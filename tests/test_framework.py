@@ -214,3 +214,21 @@ def test_newline_token_ids_are_exactly_the_tokens_with_a_newline():
     texts = tok.batch_decode([[i] for i in range(len(tok))])
     assert ids == {i for i, t in enumerate(texts) if "\n" in t}
     assert tok.encode("\n", add_special_tokens=False)[0] in ids and len(ids) < len(tok) // 4
+
+
+@pytest.mark.parametrize(
+    "context, questions, match",
+    [("some text", [], "questions"), ("", ["What?"], "context"), ("   \n", ["What?"], "context"),
+     ("some text", "What?", "list")],
+)  # fmt: skip
+def test_answer_questions_rejects_empty_inputs(context, questions, match):
+    """``questions=[]`` was an UnboundLocalError, ``context=""`` answered from BOS alone, a bare string was split
+    into one question per character: all are ValueErrors naming the argument (issue 16)."""
+    from core_kv.models.loading import tiny_model as build_tiny
+    from core_kv.models.loading import tiny_tokenizer
+    from core_kv.pipeline import answer_questions
+
+    tok = tiny_tokenizer()
+    model = build_tiny(tok)
+    with pytest.raises(ValueError, match=match):
+        answer_questions(model, tok, context=context, questions=questions, max_new_tokens=2)

@@ -91,3 +91,18 @@ def test_default_model_without_smollm2_prefers_shipped_proxy(tmp_path, monkeypat
     (tmp_path / "proxy-lm" / "config.json").write_text("{}")
     assert loading.default_model() == str(tmp_path / "proxy-lm")
     assert "proxy-lm" in loading.model_label(loading.default_model())
+
+
+@pytest.mark.parametrize("kind", ["absolute", "dot", "existing_parent"])
+def test_missing_local_folder_is_named_not_an_offline_hub_id(kind, tmp_path, monkeypatch):
+    """A path that does not exist is reported as "no such folder", not as a hub id missing from the offline cache."""
+    from core_kv.models.loading import load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    name = {"absolute": str(tmp_path / "some" / "missing" / "dir"), "dot": "./missing-model",
+            "existing_parent": "runs/missing-model"}[kind]  # fmt: skip
+    with pytest.raises(OSError, match="no such folder") as e:
+        load_model(name)
+    assert "offline" not in str(e.value)

@@ -387,3 +387,23 @@ def test_other_families_smoke(name, arch):
         assert sum(layer) == len(layer) * press.layer_target(attn, 96) if can_compress(name) else layer == [96, 96]
     answer = greedy_answer(model, cache, 96, ids(4, seed=6), 2, press, eos_token_ids=[])
     assert len(answer) == 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nan_inputs_raise_for_every_press(name):
+    """NaN hidden states never pass silently through a press, selection-only ones (streaming_llm, twinkv) included:
+    the error names the press and the layer (issue 16)."""
+    if not can_compress(name):
+        pytest.skip(f"{name} needs a trained artifact (tests/test_core_press.py covers it)")
+    press = build_press(name, compression_ratio=0.5)
+    model = model_for(press)
+    emb = model.get_input_embeddings()
+    saved = emb.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            emb.weight.fill_(float("nan"))
+        with pytest.raises(ValueError, match=rf"{type(press).__name__}.*NaN.*\(layer 0\)"):
+            prefill(model, ids(), press)
+    finally:
+        with torch.no_grad():
+            emb.weight.copy_(saved)

@@ -290,3 +290,40 @@ def test_shipped_proxy_yaml_loads(path):
 
     cfg = load_config(TrainConfig, [str(path)])
     assert cfg.phases and all(p.min_len <= p.max_len for p in cfg.phases)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 16
+
+
+@pytest.mark.parametrize(
+    "option", ["datasets.ruler.num_samples=0", "datasets.ruler.num_samples=-3", "datasets.niah.lengths=[0]",
+               "datasets.niah.num_samples=0", "datasets.toy.num_samples=0"]
+)  # fmt: skip
+def test_zero_or_negative_counts_are_errors(option, data):
+    """num_samples=0 silently ran 500 RULER samples per cell (``or 500``); counts must be >= 1, null means all."""
+    key = option.split("=")[0].split(".")[-1]
+    extra = ["benchmarks=[ruler,niah]"] if "toy" not in option else [f"datasets.toy.source={data}"]
+    with pytest.raises(ValueError, match=rf"{option.split('=')[0].replace('.', '[.]')}|{key}.*>= 1"):
+        load_config(EvalConfig, ["model.name=tiny", *extra, option])
+    assert (
+        load_config(EvalConfig, ["model.name=tiny", "datasets.ruler.num_samples=null"]).datasets["ruler"].num_samples
+        is None
+    )
+
+
+def test_truncated_metrics_json_is_recomputed_with_a_warning(clean_run, data, tmp_path):
+    """A finished cell whose metrics.json was truncated is treated as unfinished (recomputed), naming the file."""
+    import shutil
+
+    clean_out, res = clean_run
+    out = tmp_path / "truncated"
+    shutil.copytree(clean_out, out)
+    metrics = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "metrics.json"
+    metrics.write_text(metrics.read_text()[:20])
+    with pytest.warns(UserWarning, match=str(metrics)):
+        again = run_eval(_cfg(data, out))
+    assert again.cells == res.cells
+    assert json.loads(metrics.read_text()) == json.loads(
+        (cell_dir(clean_out, "toy", "tiny", "knorm", 0.5) / "metrics.json").read_text()
+    )

@@ -244,3 +244,86 @@ def test_memory_gate_scalars_train_at_their_own_learning_rate(reference):
     assert {id(p) for p in groups[1]["params"]} == {id(init.gate_w), id(init.gate_b)}
     single = _param_groups(init, MemoryStage(gate_lr=None))
     assert len(single) == 1 and len(single[0]["params"]) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 16: nothing finished is lost, every bad option is named before any work
+
+
+def test_finished_artifact_is_never_deleted_by_another_config(tmp_path, teacher_dir, reference):
+    """A relaunch with another config into a finished run folder refuses (naming overwrite=true / out_dir) and
+    leaves the artifact and its report byte-identical."""
+    import shutil
+
+    out = tmp_path / "finished"
+    shutil.copytree(reference, out)
+    before = {p: p.read_bytes() for p in [*(out / "final").iterdir(), out / "summary.json", out / "run.json"]}
+    with pytest.raises(ValueError, match=r"overwrite=true.*out_dir|out_dir.*overwrite=true"):
+        run(tiny_args(out, teacher_dir, "indexer.lr=0.002"))
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in (out / "final").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_default_out_dir_is_a_run_folder_not_the_shipped_checkpoint():
+    """`make train` on a fresh clone trains into runs/..., never into the shipped checkpoints/core-proxy."""
+    from core_kv.config import load_config
+    from core_kv.distill.config import TrainConfig
+
+    for cfg in (TrainConfig(), load_config(TrainConfig, [str(ROOT / "configs" / "train" / "default.yaml")])):
+        assert cfg.out_dir.startswith("runs/"), cfg.out_dir
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["memory.lr=-1", "memory.lr=0", "indexer.lr=-1", "memory.gate_lr=0", "indexer.records_per_micro=0",
+     "indexer.grad_clip=-1", "memory.weight_decay=-0.1", "calibration.grid=1", "calibration.log_t_min=5",
+     "indexer.rank_weight=-1", "memory.gate_weight=-1", "indexer.warmup_lr_steps=-1", "eval_ratios=[]",
+     "teacher.data.num_docs=0", "teacher.data.min_len=0", "teacher.records_per_shard=0", "teacher.d_z=0"],
+)  # fmt: skip
+def test_every_stage_option_is_validated_at_config_load(option):
+    """A bad option of a later stage fails when the config loads (before the first stage runs), naming it."""
+    from core_kv.config import load_config
+    from core_kv.distill.config import TrainConfig
+
+    name = option.split("=")[0].removeprefix("teacher.")
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load_config(TrainConfig, [option])
+
+
+def test_later_stage_change_keeps_finished_earlier_stages(tmp_path, teacher_dir, reference, capsys):
+    """Changing only memory.* after an interruption reuses the finished warm-up, indexer and calibration stages
+    (same weights as the reference) and retrains the memory stage from scratch."""
+    from core_kv.distill.trainer import Interrupted
+
+    out = tmp_path / "later"
+    with pytest.raises(Interrupted):
+        run(tiny_args(out, teacher_dir, "stop_after=6"))  # warm-up 2 + indexer 3 + memory 1 of 2
+    assert (out / "stages" / "calibration.json").is_file() and (out / "state" / "memory").is_dir()
+    capsys.readouterr()
+    run(tiny_args(out, teacher_dir, "memory.lr=0.003"))
+    log = capsys.readouterr().out
+    for stage in ("indexer_warmup", "indexer", "calibration"):
+        assert f"[{stage}] finished earlier" in log, log
+    assert "[memory] resumed" not in log
+    w, ref = weights(out), weights(reference)
+    assert_same({k: v for k, v in w.items() if k.startswith("indexer.")},
+                {k: v for k, v in ref.items() if k.startswith("indexer.")})  # fmt: skip
+    assert not torch.equal(w["memory.w_phi"], ref["memory.w_phi"])
+
+
+def test_corrupt_newest_state_falls_back_to_an_older_one(tmp_path, teacher_dir, reference):
+    """Truncated files in the newest state/<stage>/step_* are skipped with a warning naming the folder; the run
+    resumes from the newest readable step and reaches the reference weights."""
+    from core_kv.distill.trainer import Interrupted
+
+    out = tmp_path / "corrupt"
+    with pytest.raises(Interrupted):
+        run(tiny_args(out, teacher_dir, "stop_after=4"))  # warm-up 2 + indexer steps 1, 2
+    newest = out / "state" / "indexer" / "step_000002"
+    assert newest.is_dir() and (out / "state" / "indexer" / "step_000001").is_dir()
+    for f in newest.rglob("*"):
+        if f.is_file():
+            f.write_bytes(f.read_bytes()[:10])
+    with pytest.warns(UserWarning, match="step_000002"):
+        run(tiny_args(out, teacher_dir))
+    assert_same(weights(out), weights(reference))

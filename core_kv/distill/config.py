@@ -1,6 +1,6 @@
 """Typed training configuration; YAML files in ``configs/train/`` only override these defaults.
 
-The defaults are the shipped proxy run (``accelerate launch train.py`` with no arguments): about 10 minutes on two
+The defaults are the shipped proxy recipe (``accelerate launch train.py`` with no arguments, into ``runs/core-proxy``): about 10 minutes on two
 CPU cores including the teacher data. Batch arithmetic: documents per optimizer step =
 ``micro_batch × grad_accum × num_processes``.
 """
@@ -30,6 +30,16 @@ def _proxy_teacher() -> TeacherConfig:
     )
 
 
+def check_options(obj, prefix: str, positive: tuple = (), non_negative: tuple = ()) -> None:
+    """Raise ``ValueError`` naming ``<prefix><field>`` for a field that is not > 0 (``positive``; ``None`` passes)
+    or not >= 0 (``non_negative``)."""
+    for names, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0")):
+        for name in names:
+            v = getattr(obj, name)
+            if v is not None and (isinstance(v, bool) or not ok(v)):
+                raise ValueError(f"{prefix}{name} must be {what}, got {v!r}")
+
+
 @dataclass
 class IndexerStage:
     """Stage 2: distillation. ``warmup_steps`` on the teacher dataset's records (teacher-forced candidates: the
@@ -45,6 +55,10 @@ class IndexerStage:
     grad_clip: float = 1.0
     rank_weight: float = 0.1  # μ_rank of the Top-B boundary BCE (0 disables it)
 
+    def check(self, prefix: str = "indexer.") -> None:
+        check_options(self, prefix, ("records_per_micro", "lr"),
+                      ("warmup_steps", "steps", "weight_decay", "warmup_lr_steps", "grad_clip", "rank_weight"))  # fmt: skip
+
 
 @dataclass
 class CalibrationStage:
@@ -54,6 +68,13 @@ class CalibrationStage:
     log_t_min: float = -4.0
     log_t_max: float = 4.0
     grid: int = 161
+
+    def check(self, prefix: str = "calibration.") -> None:
+        check_options(self, prefix, ("docs",))
+        if self.grid < 2:
+            raise ValueError(f"{prefix}grid must be >= 2 (points of the log T grid), got {self.grid}")
+        if not self.log_t_min < self.log_t_max:
+            raise ValueError(f"{prefix}log_t_min must be < {prefix}log_t_max, got {self.log_t_min} >= {self.log_t_max}")
 
 
 @dataclass
@@ -70,6 +91,10 @@ class MemoryStage:
     # dozen steps (at most ~lr per step); their own learning rate [choice]. None: ``lr``.
     gate_lr: float | None = 5.0e-2
 
+    def check(self, prefix: str = "memory.") -> None:
+        check_options(self, prefix, ("lr", "gate_lr"),
+                      ("steps", "weight_decay", "warmup_lr_steps", "grad_clip", "gate_weight"))  # fmt: skip
+
 
 @dataclass
 class TrainConfig:
@@ -77,7 +102,9 @@ class TrainConfig:
 
     Args:
         out_dir: Run folder: ``state/`` (resumable, ``accelerator.save_state``), ``stages/`` (finished stage
-            weights), ``final/`` (the artifact), ``summary.json``.
+            weights), ``final/`` (the artifact), ``summary.json``. Default ``runs/core-proxy``; shipping an artifact
+            is a deliberate ``out_dir=checkpoints/<name>``. A folder holding a finished artifact of another config is
+            refused unless ``overwrite``.
         teacher: The teacher run to reuse (or build, when ``build_teacher``) — its model is the base model.
         train_docs: Pool of on-policy documents (indices 0.., cycled).
         calib_docs / eval_docs: Held-out documents (disjoint index ranges) for calibration and the final report.
@@ -90,10 +117,12 @@ class TrainConfig:
         save_every: Optimizer steps between resumable checkpoints; ``keep_last`` are kept.
         stop_after: Stop this invocation after that many optimizer steps in all (0 = run to the end), as an
             interruption would (a resumable checkpoint is saved first).
+        overwrite: Retrain from scratch: delete the folder's stages, states and ``final/`` first (the only way a run
+            replaces a finished artifact).
         wandb: Log through ``accelerator.init_trackers``/``log`` (``wandb_mode`` offline works without login).
     """
 
-    out_dir: str = "checkpoints/core-proxy"
+    out_dir: str = "runs/core-proxy"
     teacher: TeacherConfig = field(default_factory=_proxy_teacher)
     build_teacher: bool = True
     train_docs: int = 32
@@ -127,11 +156,16 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("train_docs", "calib_docs", "eval_docs"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not self.ratios or any(not 0 < r < 1 for r in [*self.ratios, *self.eval_ratios]):
-            raise ValueError("ratios and eval_ratios must be compression ratios in (0, 1)")
-        if self.indexer.warmup_steps < 0 or self.indexer.steps < 0 or self.memory.steps < 0:
-            raise ValueError("stage step counts must be >= 0")
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("ratios", "eval_ratios"):
+            rs = getattr(self, name)
+            if not rs or any(not 0 < r < 1 for r in rs):
+                raise ValueError(f"{name} must be a non-empty list of compression ratios in (0, 1), got {rs}")
+        # every stage's options are checked here, before the first stage runs (a bad memory.lr must not wait for
+        # the warm-up, indexer and calibration stages)
+        self.indexer.check()
+        self.calibration.check()
+        self.memory.check()
         if self.wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError("wandb_mode must be offline, online or disabled")
         if self.stop_after < 0:

@@ -11,13 +11,17 @@ Run folder ``cfg.out_dir``::
                                  and renamed (atomic); the last ``keep_last`` are kept
     stages/<stage>.safetensors   weights of a finished stage (a rerun skips it)
     stages/calibration.json      temperatures and calibration errors
-    run.json                     base-model fingerprint + config hash; a different one restarts the folder afresh
+    run.json                     base-model fingerprint + config hash, and one hash per stage (its options and those
+                                 of the stages before it)
     final/                       the artifact: config.json + model.safetensors (CoreModel.from_pretrained)
     summary.json, config.yaml    the final report and the resolved config
 
-Resume: a rerun with the same config skips finished stages, loads the newest ``state/<stage>/step_*`` and skips the
-micro-batches already consumed (``skip_first_batches``); the data order is a fixed list, so the resumed run
-reaches the same weights as an uninterrupted one.
+Resume: a rerun with the same config skips finished stages, loads the newest readable ``state/<stage>/step_*`` (an
+unreadable one is skipped with a warning) and skips the micro-batches already consumed (``skip_first_batches``); the
+data order is a fixed list, so the resumed run reaches the same weights as an uninterrupted one. A rerun with other
+options keeps every finished stage whose own options (and those of the stages before it) are unchanged, and discards
+the others: changing ``memory.*`` retrains the memory stage only. A folder holding a finished ``final/`` of another
+config is never touched: the run refuses unless ``overwrite=true`` (or another ``out_dir``) is given.
 
 Two kinds of checkpoints are never mixed: ``state/`` holds optimizer/RNG pickles written by Accelerate for
 resuming only; ``final/`` holds only ``config.json`` and safetensors.
@@ -25,11 +29,13 @@ resuming only; ``final/`` holds only ``config.json`` and safetensors.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,6 +56,7 @@ from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, conf
 from core_kv.teacher.metrics import budget_split, greedy_select, protected_mask, set_quality, top_free
 from core_kv.teacher.run import load_model, make_docs, run_teacher
 
+STAGES = ("indexer_warmup", "indexer", "calibration", "memory")  # in order; each depends on the ones before it
 CALIB_OFFSET = 2_000_000  # held-out document indices (the teacher uses 0.. and 1_000_000.. for geometry)
 EVAL_OFFSET = 2_100_000
 
@@ -150,7 +157,32 @@ class Trainer:
                 "save_every", "keep_last", "build_teacher"}  # fmt: skip
         resolved = {k: v for k, v in to_dict(self.cfg).items() if k not in skip}
         resolved["teacher"] = self.cfg.teacher.teacher_params() | {"data": to_dict(self.cfg.teacher.data)}
-        return {"fingerprint": self.fingerprint, "config_hash": config_hash(resolved)}
+        return {"fingerprint": self.fingerprint, "config_hash": config_hash(resolved), "stages": self.stage_keys()}
+
+    def stage_keys(self) -> dict[str, str]:
+        """One hash per stage: the options the stage reads, chained with the hash of the stage before it, so a change
+        to a later stage's options leaves the earlier stages' hashes (and their finished weights) valid."""
+        d = to_dict(self.cfg)
+        chain = {"fingerprint": self.fingerprint, "seed": d["seed"], "grad_accum": d["grad_accum"],
+                 "teacher": self.cfg.teacher.teacher_params() | {"data": d["teacher"]["data"]}}  # fmt: skip
+        docs = {k: d[k] for k in ("train_docs", "ratios", "micro_batch")}
+        own = {
+            "indexer_warmup": {"indexer": {k: v for k, v in d["indexer"].items() if k != "steps"}},
+            "indexer": {"indexer": d["indexer"], **docs},
+            "calibration": {"calibration": d["calibration"], "calib_docs": d["calib_docs"]},
+            "memory": {"memory": d["memory"], "write_rule": d["write_rule"]},
+        }
+        out = {}
+        for name in STAGES:
+            chain = {"previous": config_hash(chain), **own[name]}
+            out[name] = config_hash(chain)
+        return out
+
+    def discard_stage(self, name: str) -> None:
+        """Delete a stage's finished weights and resumable states (main process)."""
+        for p in (self.out / "stages" / f"{name}.safetensors", self.out / "stages" / f"{name}.json"):
+            p.unlink(missing_ok=True)
+        shutil.rmtree(self.out / "state" / name, ignore_errors=True)
 
     def setup(self) -> None:
         cfg, acc = self.cfg, self.acc
@@ -225,10 +257,17 @@ class Trainer:
         done = self.stage_file(name)
         target = params_of()
         if done.is_file():
-            _load_into(target, load_file(str(done)))
-            self.print(f"[{name}] finished earlier: loaded {done}")
-            self.global_step += total
-            return
+            try:
+                tensors = load_file(str(done))
+            except Exception as e:  # a truncated file: retrain the stage rather than fail without a path
+                warnings.warn(f"[{name}] cannot read {done} ({type(e).__name__}: {e}): retraining the stage",
+                              stacklevel=2)  # fmt: skip
+                tensors = None
+            if tensors is not None:
+                _load_into(target, tensors)
+                self.print(f"[{name}] finished earlier: loaded {done}")
+                self.global_step += total
+                return
         if total == 0:
             self._save_stage(name, target)
             return
@@ -236,10 +275,7 @@ class Trainer:
         loader = DataLoader(_ListData(items), batch_size=per_micro, shuffle=False, collate_fn=_collate)
         module, optimizer, loader = acc.prepare(module, optimizer, loader)
         state_root = self.out / "state" / name
-        start = _latest_step(state_root)
-        if start:
-            acc.load_state(str(state_root / f"step_{start:06d}"))
-            self.print(f"[{name}] resumed from step {start}")
+        start = self._load_latest_state(name, state_root, module, optimizer)
         active = acc.skip_first_batches(loader, start * cfg.grad_accum) if start else loader
         step, t0, tokens, base = start, time.perf_counter(), 0, self.global_step
         bar = tqdm(total=total, initial=start, desc=name, disable=not (cfg.progress and acc.is_local_main_process))
@@ -284,6 +320,30 @@ class Trainer:
         self._save_stage(name, target)
         acc.free_memory(module, optimizer, loader)
         self.global_step = base + total
+
+    def _load_latest_state(self, name: str, root: Path, module, optimizer) -> int:
+        """Load the newest readable ``root/step_*`` and return its step (0: none); unreadable ones are skipped with a
+        warning naming them, and whatever a failed load had already set is restored first."""
+        steps = _steps(root)
+        if not steps:
+            return 0
+        acc = self.acc
+        weights = {k: v.detach().clone() for k, v in acc.unwrap_model(module).state_dict().items()}
+        opt_state = copy.deepcopy(optimizer.state_dict())
+        for step in steps:
+            path = root / f"step_{step:06d}"
+            try:
+                acc.load_state(str(path))
+            except Exception as e:  # truncated/corrupt files: fall back to an older state, saying which was skipped
+                warnings.warn(f"[{name}] skipped unreadable training state {path} ({type(e).__name__}: {e})",
+                              stacklevel=2)  # fmt: skip
+                acc.unwrap_model(module).load_state_dict(weights)
+                optimizer.load_state_dict(opt_state)
+                continue
+            self.print(f"[{name}] resumed from step {step}")
+            return step
+        warnings.warn(f"[{name}] no readable training state in {root}: the stage starts from step 0", stacklevel=2)
+        return 0
 
     def _save_state(self, root: Path, step: int) -> None:
         acc = self.acc
@@ -332,10 +392,13 @@ class Trainer:
         path = self.out / "stages" / "calibration.json"
         idx = self.core.indexer
         if path.is_file():
-            res = json.loads(path.read_text())
-            idx.temperature.copy_(torch.tensor(res["temperature"]))
-            self.print(f"[calibration] finished earlier: T = {res['temperature']}")
-            return res
+            try:
+                res = json.loads(path.read_text())
+                idx.temperature.copy_(torch.tensor(res["temperature"]))
+                self.print(f"[calibration] finished earlier: T = {res['temperature']}")
+                return res
+            except (json.JSONDecodeError, KeyError, TypeError, RuntimeError) as e:
+                warnings.warn(f"[calibration] cannot read {path} ({type(e).__name__}: {e}): refitting", stacklevel=2)
         ctx = self.context("calibration")
         mine = [i for i in range(cfg.calib_docs) if i % acc.num_processes == acc.process_index]
         data = []  # (layer, scores, evicted, alpha) on CPU
@@ -603,9 +666,9 @@ def _load_into(target: dict, tensors: dict) -> None:
             p.copy_(tensors[k].to(p.device))
 
 
-def _latest_step(root: Path) -> int:
-    steps = [int(p.name.split("_")[1]) for p in root.glob("step_*") if p.is_dir()]
-    return max(steps, default=0)
+def _steps(root: Path) -> list[int]:
+    """Saved steps under ``root`` (``step_*`` folders), newest first."""
+    return sorted((int(p.name.split("_")[1]) for p in root.glob("step_*") if p.is_dir()), reverse=True)
 
 
 class _nullctx:
@@ -685,22 +748,36 @@ def train(cfg) -> dict:
     tr = Trainer(cfg)
     final = tr.out / "final"
     try:
+        tr.print(f"run folder: {tr.out} (the artifact goes to {final})")
         tr.load_base()
         key, key_path = tr.run_key(), tr.out / "run.json"
-        stored = json.loads(key_path.read_text()) if key_path.is_file() else None
-        if stored == key and (final / "config.json").is_file() and (tr.out / "summary.json").is_file():
+        stored = _read_run_key(key_path)
+        same_run = stored is not None and all(stored.get(k) == key[k] for k in ("fingerprint", "config_hash"))
+        if same_run and (final / "config.json").is_file() and (tr.out / "summary.json").is_file():
             if not cfg.overwrite:
                 summary = json.loads((tr.out / "summary.json").read_text())
                 tr.print(f"{final} exists for this base model and config (overwrite=true to retrain)")
                 tr.print(format_summary(summary))
                 return summary
-        stale = stored is not None and stored != key
-        if tr.main and (cfg.overwrite or stale):
-            if stale:
-                tr.print(f"{tr.out} holds a run for another base model or config: starting afresh")
+        if final.exists() and not same_run and not cfg.overwrite:
+            raise ValueError(
+                f"{tr.out} holds a finished CORE artifact ({final}) of another base model or config, which a new run "
+                f"never deletes: pass out_dir=<another folder> to train this config beside it, or overwrite=true to "
+                f"replace it"
+            )
+        if tr.main and cfg.overwrite:
+            tr.print(f"overwrite=true: deleting the run in {tr.out} and retraining")
             for sub in ("state", "stages", "final", "summary.json"):
                 p = tr.out / sub
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        elif tr.main and not same_run:
+            old = (stored or {}).get("stages") or {}
+            for name in STAGES:
+                if old.get(name) != key["stages"][name] and (
+                    (tr.out / "state" / name).exists() or list((tr.out / "stages").glob(f"{name}.*"))
+                ):
+                    tr.print(f"[{name}] {tr.out} holds this stage for other options: discarding it")
+                    tr.discard_stage(name)
         if tr.main:
             atomic_write_json(key_path, key)
         tr.acc.wait_for_everyone()
@@ -727,6 +804,17 @@ def train(cfg) -> dict:
         return summary
     finally:
         tr.close()
+
+
+def _read_run_key(path: Path) -> dict | None:
+    """``run.json`` (None when absent; an unreadable one is reported and treated as absent)."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        warnings.warn(f"cannot read {path} ({e}): treating the run folder as holding another config", stacklevel=2)
+        return None
 
 
 def _teacher_table7(ds: TeacherDataset) -> dict | None:

@@ -53,6 +53,16 @@ class BenchmarkConfig:
     source: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
+    def check(self, prefix: str = "") -> None:
+        """Raise ``ValueError`` naming ``<prefix>num_samples`` / ``<prefix>lengths`` for a count below 1."""
+        n = self.num_samples
+        if n is not None and (isinstance(n, bool) or n < 1):
+            raise ValueError(f"{prefix}num_samples must be >= 1, or null for all samples, got {n}")
+        if any(isinstance(v, bool) or v < 1 for v in self.lengths):
+            raise ValueError(f"{prefix}lengths must be positive token counts, got {list(self.lengths)}")
+        if self.tasks is not None and len(set(self.tasks)) != len(self.tasks):
+            raise ValueError(f"{prefix}tasks has duplicates: {list(self.tasks)}")
+
 
 @dataclass
 class GenerationConfig:
@@ -231,7 +241,12 @@ class Ruler(Benchmark, name="ruler"):
         if not cfg.lengths:
             raise ValueError("ruler needs datasets.<name>.lengths, e.g. [4096]")
         return load_ruler(
-            cfg.tasks, list(cfg.lengths), cfg.num_samples or 500, tokenizer, seed=seed, **dict(cfg.options)
+            cfg.tasks,
+            list(cfg.lengths),
+            500 if cfg.num_samples is None else cfg.num_samples,
+            tokenizer,
+            seed=seed,
+            **dict(cfg.options),
         )
 
     def aggregate(self, rows: list[dict], samples: list[Sample]) -> dict:

@@ -437,5 +437,9 @@ if __name__ == "__main__":
     import json
     import sys
 
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print("usage: python -m core_kv.eval.fidelity RESULTS_DIR\n\nPrints the markdown tables of every "
+              "fidelity__*/metrics.json cell under RESULTS_DIR (an eval.py output_dir).")  # fmt: skip
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     folder = Path(sys.argv[1])
     print(markdown_tables(json.loads(p.read_text()) for p in sorted(folder.glob("fidelity__*/metrics.json"))))

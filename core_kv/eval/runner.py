@@ -168,12 +168,16 @@ class EvalConfig:
                 raise ValueError(f"ratios must be in (0, 1) (fraction of the cache removed), got {r}")
         if not self.benchmarks:
             raise ValueError("benchmarks is empty: name at least one entry of datasets")
+        if len(set(self.benchmarks)) != len(self.benchmarks):
+            raise ValueError(f"benchmarks has duplicates: {self.benchmarks}")
         for b in self.benchmarks:
             if b not in self.datasets:
                 self.datasets[b] = BenchmarkConfig()  # a registered benchmark with its defaults
             kind = self.datasets[b].kind or b
             if kind not in BENCHMARKS:
                 raise ValueError(f"unknown benchmark {kind!r}; registered: {', '.join(sorted(BENCHMARKS))}")
+        for name, d in self.datasets.items():
+            d.check(f"datasets.{name}.")
         unknown_opts = set(self.press_options) - set(self.methods) - {REFERENCE}
         if unknown_opts:  # e.g. a shipped config narrowed with methods=[...] on the command line
             warnings.warn(f"press_options for methods not in the run are ignored: {sorted(unknown_opts)}", stacklevel=2)
@@ -535,7 +539,16 @@ def _check_folder(folder: Path, spec_yaml: str) -> str:
                 f"{folder} holds results of a different configuration (compare its config.yaml); use another "
                 "output_dir or delete the folder"
             )
-        return "finished" if (folder / "metrics.json").exists() else "resume"
+        metrics = folder / "metrics.json"
+        if not metrics.exists():
+            return "resume"
+        try:
+            json.loads(metrics.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # e.g. a disk filled up while it was written
+            warnings.warn(f"{metrics} is unreadable ({e}): the cell is treated as unfinished and recomputed",
+                          stacklevel=2)  # fmt: skip
+            return "resume"
+        return "finished"
     return "new"
 
 

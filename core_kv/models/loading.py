@@ -220,6 +220,11 @@ def load_model(
         )
     except OSError as e:
         local = Path(name_or_path).exists()
+        parent = Path(name_or_path).expanduser().parent
+        if not local and (
+            name_or_path.startswith(("/", "./", "../", "~")) or (parent != Path(".") and parent.is_dir())
+        ):
+            raise OSError(f"cannot load model {name_or_path!r}: no such folder: {name_or_path}") from e
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         hint = (
             f"the folder {name_or_path} exists but is not a complete Hugging Face model folder"

@@ -705,7 +705,7 @@ def export(cfg: TrainConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(TrainConfig, sys.argv[1:] if argv is None else argv)
+    cfg = load_config(TrainConfig, sys.argv[1:] if argv is None else argv, usage=__doc__)
     if cfg.mode == "train":
         train(cfg)
     else:

@@ -148,6 +148,18 @@ class BasePress:
     # ------------------------------------------------------------------------------------------------------------
     # The eviction event
 
+    def check_inputs(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Raise ``ValueError`` naming the press and layer when the cache about to be compressed is not finite.
+
+        Every eviction event checks it, so NaN/Inf never pass silently through a press whose selection ignores the
+        tensors (``streaming_llm``, ``random``) or that selects by its own rules (``twinkv``)."""
+        for what, t in (("keys", keys), ("values", values)):
+            if not torch.isfinite(t).all():
+                raise ValueError(
+                    f"{type(self).__name__} received NaN/Inf cached {what} to compress (layer {module.layer_idx}): "
+                    "the model's hidden states are not finite; check the model's weights, dtype and inputs"
+                )
+
     def compress(
         self,
         module: nn.Module,
@@ -229,10 +241,12 @@ class BasePress:
         check_cache_supported(cache)
         if isinstance(layer, RaggedLayer):
             keys, values, _ = layer.padded()
+            self.check_inputs(module, keys, values)  # padding is zeros
             kept = self.compress(module, hidden_states, keys, values, None, kwargs, n_kept, lengths=lengths)
         else:
             keys, values = layer.keys, layer.values
             attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            self.check_inputs(module, keys, values)
             kept = self.compress(module, hidden_states, keys, values, attentions, kwargs, n_kept)
         self._apply(cache, idx, keys, values, kept)
         return output

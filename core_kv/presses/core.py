@@ -37,6 +37,7 @@ D head dim, w observation window, E evicted, P = 512 memory features.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -99,8 +100,9 @@ class CorePress(BasePress, name="core"):
 
     Args:
         checkpoint: Folder of a :class:`~core_kv.indexer.CoreModel` artifact (``config.json`` + ``model.safetensors``).
-        protected_sinks: First positions always kept (CORE.md: 4).
-        protected_recent: Last positions always kept (the artifact's training default, 32).
+        protected_sinks: First positions always kept; ``None`` = the artifact's (what it was trained with; CORE.md: 4).
+        protected_recent: Last positions always kept; ``None`` = the artifact's (32 for the shipped proxy artifact).
+            An explicit value that differs from the artifact's is used, with a warning.
         write_rule: ``mass`` (CORE), ``equal_event`` or ``uniform_token`` (paper Tables 3, 8); ``None`` = the
             artifact's rule.
         memory: ``False`` = retention only (no writes, no readout): the "no memory" ablation.
@@ -125,8 +127,8 @@ class CorePress(BasePress, name="core"):
     """
 
     checkpoint: str | None = None
-    protected_sinks: int = 4
-    protected_recent: int = 32
+    protected_sinks: int | None = None
+    protected_recent: int | None = None
     write_rule: str | None = None
     memory: bool = True
     calibrated: bool = True
@@ -145,6 +147,7 @@ class CorePress(BasePress, name="core"):
     certificates: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
+        self._trained_settings()
         super().validate()
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
@@ -160,11 +163,6 @@ class CorePress(BasePress, name="core"):
                     f"{self.name} needs a trained artifact: pass checkpoint=<folder> (e.g. checkpoints/core-proxy/final) "
                     "or use CorePress.from_pretrained(path, compression_ratio=...)"
                 )
-        elif self._core is None:
-            path = Path(self.checkpoint)
-            if not (path / "config.json").is_file():
-                raise ValueError(f"{self.name}: no CORE artifact at {path} (expected config.json + model.safetensors)")
-            self._core = CoreModel.from_pretrained(path)
         if self.allocation == "expected_attention":
             from core_kv.presses.expected_attention import ExpectedAttentionPress
 
@@ -173,6 +171,25 @@ class CorePress(BasePress, name="core"):
             from core_kv.presses.keydiff import KeyDiffPress
 
             self._inner = KeyDiffPress()
+
+    def _trained_settings(self) -> None:
+        """Load the artifact; the protected positions it was trained with apply unless given (then warn if they
+        differ). Without a checkpoint (the no-op press) the CORE.md defaults 4 / 32 fill in."""
+        if self.checkpoint is not None and self._core is None:
+            path = Path(self.checkpoint)
+            if not (path / "config.json").is_file():
+                raise ValueError(f"{self.name}: no CORE artifact at {path} (expected config.json + model.safetensors)")
+            self._core = CoreModel.from_pretrained(path)  # refuses invalid stored settings and tensors
+        for name, default in (("protected_sinks", 4), ("protected_recent", 32)):
+            trained = default if self._core is None else getattr(self._core.config, name)
+            if getattr(self, name) is None:
+                setattr(self, name, trained)
+            elif self._core is not None and getattr(self, name) != trained:
+                warnings.warn(
+                    f"{self.name}: {name}={getattr(self, name)} overrides the artifact's setting ({self.checkpoint} "
+                    f"was trained with {trained})",
+                    stacklevel=4,
+                )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **options) -> CorePress:
@@ -351,6 +368,7 @@ class CorePress(BasePress, name="core"):
         else:
             return output
         check_cache_supported(cache)
+        self.check_inputs(module, layer.keys, layer.values)
         kept = self._event(module, st, layer.keys, layer.values, hs, kwargs, n_kept)
         self._apply(cache, idx, layer.keys, layer.values, kept[None])
         return output

@@ -174,6 +174,17 @@ class TeacherConfig:
             raise ValueError(f"chunk_size must exceed the observation window ({OBS_WINDOW})")
         if self.feature_dtype not in ("float16", "float32"):
             raise ValueError("feature_dtype must be float16 or float32")
+        counts = [(f"data.{k}", getattr(self.data, k), 1) for k in ("num_docs", "calib_docs", "calib_keys", "min_len")]
+        counts += [(k, getattr(self, k), 1) for k in ("records_per_shard", "d_z", "num_prototypes")]
+        counts += [(k, getattr(self, k), 0) for k in ("protected_sinks", "protected_recent", "threads")]
+        counts += [("data.question_tokens", self.data.question_tokens, 0)]
+        for name, v, low in counts:
+            if isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be >= {low}, got {v!r}")
+        if self.data.source != "hf" and self.data.max_len < self.data.min_len:  # hf rows have natural lengths
+            raise ValueError(f"data.max_len ({self.data.max_len}) must be >= data.min_len ({self.data.min_len})")
+        if self.metrics_docs < -1 or self.metrics_docs == 0:
+            raise ValueError(f"metrics_docs must be -1 (all documents) or >= 1, got {self.metrics_docs}")
 
     @property
     def eta_value(self) -> float | str:
