@@ -84,7 +84,7 @@ def build_prompts(tokenizer, wording: str, haystack: str, length: int, n: int, s
         context = "".join(pieces[:cut]) + needle + " " + "".join(pieces[cut:])
         out.append(
             {"context": context.strip(), "question": question_t.format(key=key), "prefix": prefix_t.format(key=key),
-             "value": value, "depth": cut / max(1, len(pieces))}
+             "value": value, "needle": needle, "depth": cut / max(1, len(pieces))}
         )  # fmt: skip
     return out
 

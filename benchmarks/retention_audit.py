@@ -1,0 +1,150 @@
+"""Which tokens does a press keep? Per layer: the needle sentence, the prompt head, overlap with a reference press.
+
+For RULER-worded needle prompts (``benchmarks/needle_wording.py``'s builder, noise or essay haystack, the model's
+chat template), each method compresses the context in one-shot prefill; the retained positions of every (layer,
+KV head) are recovered by matching the cached keys against the full cache's keys (one-shot prefill computes every
+layer's K/V from uncompressed hidden states, so a kept entry is bit-identical to its full-cache row). Reported per
+layer, averaged over prompts and KV heads:
+
+- ``needle``: fraction of the needle sentence's tokens kept;
+- ``value``: fraction of the value's digit tokens kept;
+- ``head``: fraction of the first ``--head-tokens`` tokens kept (chat-template system turn + task instruction);
+- ``overlap``: |kept ∩ kept_ref| / |kept| against ``--reference`` (default KeyDiff) at the same ratio.
+
+Usage::
+
+    .venv/bin/python benchmarks/retention_audit.py --model smollm2-135m --methods core keydiff snapkv \\
+        --press-option core.checkpoint=checkpoints/core-smollm2/final --ratio 0.75 --n 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from needle_wording import build_prompts, parse_press_options  # noqa: E402
+
+
+def context_ids_and_spans(tok, prompt: dict) -> tuple[list[int], set[int], set[int]]:
+    """Context token ids as the pipeline builds them (chat template), and the needle / value token positions."""
+    sep = "#" * (len(prompt["context"]) + 10)
+    text = tok.apply_chat_template([{"role": "user", "content": prompt["context"] + sep}], add_generation_prompt=True,
+                                   tokenize=False).split(sep)[0]  # fmt: skip
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    start = text.index(prompt["needle"])
+    end = start + len(prompt["needle"])
+    v0 = text.index(prompt["value"], start)
+    v1 = v0 + len(prompt["value"])
+    needle = {i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start}
+    value = {i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < v1 and b > v0}
+    return enc["input_ids"], needle, value
+
+
+def kept_positions(cache, full_keys: list[torch.Tensor]) -> list[list[set[int]]]:
+    """Per layer, per KV head: positions whose full-cache key row is in the compressed cache."""
+    from core_kv.models.cache import RaggedLayer
+
+    out = []
+    for layer, fk in zip(cache.layers, full_keys, strict=True):
+        heads = []
+        if isinstance(layer, RaggedLayer):
+            keys, _, valid = layer.padded()
+        else:
+            keys, valid = layer.keys, None
+        for h in range(fk.shape[1]):
+            k = keys[0, h] if valid is None else keys[0, h][valid[h]]
+            # exact row matching through a hash of each row's bytes
+            full_rows = {fk[0, h, i].numpy().tobytes(): i for i in range(fk.shape[2])}
+            heads.append({full_rows[r.numpy().tobytes()] for r in k if r.numpy().tobytes() in full_rows})
+        out.append(heads)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--methods", nargs="+", default=["keydiff", "snapkv"])
+    ap.add_argument("--reference", default="keydiff", help="press the overlap is measured against")
+    ap.add_argument("--ratio", type=float, default=0.75)
+    ap.add_argument("--press-option", action="append", default=[], help="method.option=value (JSON values)")
+    ap.add_argument("--haystack", default="noise", choices=["noise", "essay"])
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--head-tokens", type=int, default=30)
+    ap.add_argument("--layers", default="", help="comma-separated layers to print (default: all)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    if not 0 < args.ratio < 1 or args.n < 1:
+        raise SystemExit("--ratio must be in (0, 1) and --n >= 1")
+
+    import core_kv.presses  # noqa: F401
+    from transformers import DynamicCache
+
+    from core_kv.models.loading import load_model
+    from core_kv.presses import build_press
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model, dtype="float32")
+    options = parse_press_options(args.press_option)
+    prompts = build_prompts(tok, "ruler", args.haystack, args.length, args.n, args.seed)
+    methods = list(dict.fromkeys([*args.methods, args.reference]))
+    stats: dict[str, list[dict]] = {m: [] for m in methods}
+    for p in prompts:
+        ids, needle, value = context_ids_and_spans(tok, p)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            full = DynamicCache()
+            model.model(input_ids=x, past_key_values=full)
+            full_keys = [layer.keys for layer in full.layers]
+            kept = {}
+            for m in methods:
+                press = build_press(m, compression_ratio=args.ratio, **options.get(m, {}))
+                cache = DynamicCache()
+                with press(model):
+                    model.model(input_ids=x, past_key_values=cache)
+                kept[m] = kept_positions(cache, full_keys)
+        head = set(range(min(args.head_tokens, len(ids))))
+        for m in methods:
+            rows = []
+            for layer, heads in enumerate(kept[m]):
+                ref = kept[args.reference][layer]
+                rows.append({
+                    "layer": layer,
+                    "needle": sum(len(s & needle) for s in heads) / (len(heads) * len(needle)),
+                    "value": sum(len(s & value) for s in heads) / (len(heads) * len(value)),
+                    "head": sum(len(s & head) for s in heads) / (len(heads) * len(head)),
+                    "overlap": sum(len(s & r) / max(1, len(s)) for s, r in zip(heads, ref, strict=True)) / len(heads),
+                    "kept": sum(len(s) for s in heads) / len(heads),
+                })  # fmt: skip
+            stats[m].append(rows)
+    layers = [int(v) for v in args.layers.split(",")] if args.layers else list(range(len(stats[methods[0]][0])))
+    print(f"\nmodel {args.model} | ratio {args.ratio} | {args.n} prompts, {args.haystack} haystack, {args.length} tokens"
+          f" | overlap vs {args.reference}")  # fmt: skip
+    print("| method | layer | needle kept | value kept | first tokens kept | overlap | tokens kept |")
+    print("|---|---|---|---|---|---|---|")
+    summary = {}
+    for m in methods:
+        mean = {k: [sum(r[l][k] for r in stats[m]) / len(stats[m]) for l in range(len(stats[m][0]))]
+                for k in ("needle", "value", "head", "overlap", "kept")}  # fmt: skip
+        summary[m] = mean
+        for l in layers:
+            print(f"| {m} | {l} | {mean['needle'][l]:.2f} | {mean['value'][l]:.2f} | {mean['head'][l]:.2f} | "
+                  f"{mean['overlap'][l]:.2f} | {mean['kept'][l]:.0f} |")  # fmt: skip
+        print(f"| {m} | mean | " + " | ".join(f"{sum(mean[k]) / len(mean[k]):.2f}" for k in
+                                             ("needle", "value", "head", "overlap")) + f" | {sum(mean['kept']) / len(mean['kept']):.0f} |")  # fmt: skip
+    if args.json:
+        from core_kv.io import atomic_write_json
+
+        atomic_write_json(Path(args.json), {"args": vars(args), "per_layer": summary})
+    return summary
+
+
+if __name__ == "__main__":
+    main()
