@@ -47,6 +47,18 @@ SHAPES = {
         rope_theta=500000.0,
         max_position_embeddings=131072,
     ),
+    "smollm2-135m": dict(  # HuggingFaceTB/SmolLM2-135M-Instruct config.json (30 layers, 9 query / 3 KV heads, D 64)
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
 }
 DECODE_STEPS = 32
 
