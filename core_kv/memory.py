@@ -54,6 +54,7 @@ class MemoryState:
     radius: torch.Tensor  # (Hkv,) running max ‖v_i − c_E‖ over written tokens
     events: int = 0
     Mb: torch.Tensor | None = None  # (Hkv, P, D + 1) = [M | b] when written by write_fused (M, b are its views)
+    all_written: bool = False  # every head has Z > 0 (write_fused sets it; the fused readout skips the mask)
 
     @classmethod
     def empty(cls, kv_heads: int, head_dim: int, dim: int = MEMORY_DIM, device=None) -> MemoryState:
@@ -157,7 +158,7 @@ def write_fused(
     d = v.shape[-1]
     return replace(
         state, M=mb[..., :d], b=mb[..., d], Z=z, s_v=s_v, radius=torch.maximum(state.radius, dist.amax(-1)),
-        events=state.events + 1, Mb=mb,
+        events=state.events + 1, Mb=mb, all_written=bool((z > 0).all()),
     )  # fmt: skip
 
 
@@ -251,7 +252,7 @@ def compensate_fused(
     gap = diff.norm(dim=-1).add(EPS).log() - o.norm(dim=-1).add(EPS).log()
     f = torch.stack([log_z, (den + EPS).log(), lse_retained.float(), gap], -1)
     g_ = torch.sigmoid(f @ gate_w.float() + gate_b.float()[:, None])  # (H, T)
-    if not bool((state.Z > 0).all()):
+    if not state.all_written:
         g_ = g_ * (state.Z > 0).repeat_interleave(g)[:, None]
     return o + g_[..., None] * diff, g_
 

@@ -180,3 +180,29 @@ def test_batched_features_equal_per_head(artifact, llama):  # noqa: F811
     for (fa, pa), (fb, pb) in zip(feats[CorePress], feats[ReferenceCorePress], strict=True):
         torch.testing.assert_close(fa, fb, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def test_decode_steps_take_the_log_partition_from_the_attention(artifact, llama):  # noqa: F811
+    """On a decode step the readout's lse_R comes from the attention kernel and equals the recomputed one."""
+    _, path = artifact
+    press = CorePress.from_pretrained(path, compression_ratio=0.75)
+    seen = []
+    lse_fn = press._retained_lse
+    compensate_fn = press._compensate
+
+    def compensate_spy(mem, idx, q_pre, o_r, lse):
+        st = press._layers[idx]
+        if q_pre.shape[1] == 1:
+            q_post = apply_rope(llama.model.layers[idx].self_attn, q_pre[None], st["fwd"]["position_embeddings"])[0]
+            want = lse_fn(llama.model.layers[idx].self_attn, q_post, st["fwd"]["cache"].layers[idx].keys[0])
+            assert "lse" in st["fwd"]  # the kernel's, not recomputed
+            seen.append((lse, want))
+        return compensate_fn(mem, idx, q_pre, o_r, lse)
+
+    press._compensate = compensate_spy
+    cache = prefill(llama, ids(), press)
+    greedy_answer(llama, cache, ids().shape[1], ids(3, seed=2), 4, press, eos_token_ids=[])
+    assert len(seen) == 2 * 3  # 2 layers × the 3 one-token steps after the 3-token question
+    for got, want in seen:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not any("_core_kv_lse_sink" in m.__dict__ for m in llama.modules())  # cleared on exit

@@ -48,7 +48,7 @@ from torch import nn
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
 from core_kv.indexer import CoreModel
 from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
-from core_kv.models.attention import apply_rope, attention_modules
+from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported
 from core_kv.presses.base import BasePress
 from core_kv.teacher.metrics import protected_mask, top_free
@@ -281,6 +281,11 @@ class CorePress(BasePress, name="core"):
         st["fwd"]["window"] = self.decoding or self._mode == "prefill" or self._state[idx]["empty_before"]
         if not st["fwd"]["window"]:
             st["wq_pre"], st["wpos"] = None, st["wpos"][:0]
+        # a decode step that will read the memory: let the attention return its log-partition (no q·K recompute)
+        if self.memory and st["mem"] is not None and t == 1 and not self.log_certificate:
+            module.__dict__[LSE_SINK] = st["fwd"]
+        else:
+            module.__dict__.pop(LSE_SINK, None)
 
     def _q_hook(self, attn: nn.Module, proj: nn.Module, args, output: torch.Tensor) -> None:
         """Pre-/post-RoPE queries of the current forward from the output of ``q_proj`` (``qkv_proj`` for Phi3)."""
@@ -315,6 +320,8 @@ class CorePress(BasePress, name="core"):
         finally:
             for h in handles:
                 h.remove()
+            for attn in attention_modules(model):
+                attn.__dict__.pop(LSE_SINK, None)
 
     def _fresh(self, module: nn.Module, device) -> dict:
         hkv = module.config.num_key_value_heads
@@ -491,10 +498,14 @@ class CorePress(BasePress, name="core"):
         idx = module.layer_idx
         layer = fwd["cache"].layers[idx]
         q_pre = fwd["q_pre"]  # (H, T, D)
-        q_post = apply_rope(module, q_pre[None], fwd["position_embeddings"])[0].float()
         h, t, d = q_pre.shape
         o_r = attn_output[0].view(t, h, d).transpose(0, 1).float()  # (H, T, D)
-        lse = self._retained_lse(module, q_post, layer.keys[0])
+        lse = fwd.get("lse")  # from the attention kernel (decode steps, see _pre_hook), else computed here
+        q_post = None
+        if lse is None or self.log_certificate:
+            q_post = apply_rope(module, q_pre[None], fwd["position_embeddings"])[0].float()
+            lse = self._retained_lse(module, q_post, layer.keys[0])
+        lse = lse.float()
         o_hat, g = self._compensate(st["mem"], idx, q_pre, o_r, lse)
         if self.log_certificate and st["shadow"] is not None:
             self._log_certificate(module, st, layer, q_post, o_r, o_hat, g, lse)
