@@ -55,6 +55,7 @@ class MemoryState:
     events: int = 0
     Mb: torch.Tensor | None = None  # (Hkv, P, D + 1) = [M | b] when written by write_fused (M, b are its views)
     all_written: bool = False  # every head has Z > 0 (write_fused sets it; the fused readout skips the mask)
+    log_z: torch.Tensor | None = None  # (Hkv,) log(Z + ε), a gate input, precomputed by write_fused
 
     @classmethod
     def empty(cls, kv_heads: int, head_dim: int, dim: int = MEMORY_DIM, device=None) -> MemoryState:
@@ -158,7 +159,7 @@ def write_fused(
     d = v.shape[-1]
     return replace(
         state, M=mb[..., :d], b=mb[..., d], Z=z, s_v=s_v, radius=torch.maximum(state.radius, dist.amax(-1)),
-        events=state.events + 1, Mb=mb, all_written=bool((z > 0).all()),
+        events=state.events + 1, Mb=mb, all_written=bool((z > 0).all()), log_z=(z + EPS).log(),
     )  # fmt: skip
 
 
@@ -244,17 +245,20 @@ def compensate_fused(
     g = h // hkv
     fq = F.softplus(queries.reshape(hkv, g * t, d).float() @ w_phi_t)  # (Hkv, G·T, P)
     nd = fq @ state.Mb.float()  # (Hkv, G·T, D + 1)
-    den = nd[..., d].reshape(h, t)
-    m = (nd[..., :d] / (nd[..., d:] + EPS)).reshape(h, t, d)
+    den = nd[..., d:] + EPS  # (Hkv, G·T, 1)
+    m = (nd[..., :d] / den).reshape(h, t, d)
     o = o_retained.float()
     diff = m - o
-    log_z = (state.Z + EPS).log().repeat_interleave(g)[:, None].expand(h, t)
-    gap = diff.norm(dim=-1).add(EPS).log() - o.norm(dim=-1).add(EPS).log()
-    f = torch.stack([log_z, (den + EPS).log(), lse_retained.float(), gap], -1)
-    g_ = torch.sigmoid(f @ gate_w.float() + gate_b.float()[:, None])  # (H, T)
+    # gate logit w·f + β, the features summed in place (fewer kernels than stacking f; equal up to rounding)
+    w0, w1, w2, w3 = gate_w.float().tolist()
+    norms = torch.stack([diff, o]).norm(dim=-1).add_(EPS).log_()  # (2, H, T)
+    log_z = state.log_z if state.log_z is not None else (state.Z + EPS).log()
+    logit = (gate_b.float().view(hkv, g) + log_z[:, None] * w0).reshape(h, 1)  # query head h reads KV head h // G
+    logit = torch.add(logit, den.reshape(h, t).log(), alpha=w1).add_(lse_retained.float(), alpha=w2)
+    g_ = logit.add_(norms[0] - norms[1], alpha=w3).sigmoid_()  # (H, T)
     if not state.all_written:
-        g_ = g_ * (state.Z > 0).repeat_interleave(g)[:, None]
-    return o + g_[..., None] * diff, g_
+        g_ = g_ * (state.Z > 0)[:, None].expand(hkv, g).reshape(h, 1)
+    return torch.addcmul(o, g_[..., None], diff), g_
 
 
 class LatentMemory(nn.Module):

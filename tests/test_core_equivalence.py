@@ -53,7 +53,7 @@ class ReferenceCorePress(CorePress):
             feats.append(f[0])
         return torch.stack(feats)
 
-    def _write(self, mem, idx, keys, values, weights):
+    def _write(self, mem, idx, keys, values, weights, *_):
         return self.core.memory.write(mem, idx, keys, values, weights)
 
     def _compensate(self, mem, idx, q_pre, o_r, lse):
@@ -206,3 +206,23 @@ def test_decode_steps_take_the_log_partition_from_the_attention(artifact, llama)
     for got, want in seen:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not any("_core_kv_lse_sink" in m.__dict__ for m in llama.modules())  # cleared on exit
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_two_byte_memory_state_stays_within_tolerance(artifact, llama, dtype):  # noqa: F811
+    """``memory_dtype``: half the state bytes, the same retained sets, logits within the stated tolerance."""
+    _, path = artifact
+    ctx, q = ids(), ids(6, seed=2)
+    runs = {}
+    for dt in (None, dtype):
+        press = CorePress.from_pretrained(path, compression_ratio=0.75, memory_dtype=dt)
+        press.core.memory.gate_b.data.fill_(1.0)
+        log = recorded(press)
+        runs[dt] = (press, log, logits_after(llama, press, ctx, q, 64))
+    (p32, log32, out32), (p16, log16, out16) = runs[None], runs[dtype]
+    assert_same_events(log16, log32)
+    tol = {"float16": 1e-4, "bfloat16": 2e-3}[dtype]
+    torch.testing.assert_close(out16, out32, rtol=0, atol=tol)
+    full = p32.aux_breakdown()["memory_state"]
+    assert p16.aux_breakdown()["memory_state"] < 0.51 * full
+    assert p16.memory_state(0).Mb.dtype == getattr(torch, dtype)

@@ -116,6 +116,9 @@ class CorePress(BasePress, name="core"):
         certificate_delta: δ of the online certificate (paper Table 8 uses δ = 0.05).
         write_noise: Perturb each event's write weights by ``(1 + write_noise · ξ_e)``, ``ξ_e = ±1`` seeded per
             (layer, event): the mass perturbation of paper Table 8's ``G^(δ)`` (0 = off).
+        memory_dtype: Storage dtype of the memory's ``[M | b]`` (``"bfloat16"``, ``"float16"``, ``"float32"``;
+            ``None`` = the cache's: fp32 for an fp32 model, bf16 for a 2-byte one); writes and reads compute in fp32
+            (``Z``, ``s_v``, the radius stay fp32).
 
     Attributes:
         events: One dict per (layer, event) of the last context: ``t_e``, candidates, budget, evicted count, and per
@@ -135,6 +138,7 @@ class CorePress(BasePress, name="core"):
     log_certificate: bool = False
     certificate_delta: float = 0.05
     write_noise: float = 0.0
+    memory_dtype: str | None = None
 
     _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -154,6 +158,8 @@ class CorePress(BasePress, name="core"):
             raise ValueError(f"certificate_delta must be >= 0, got {self.certificate_delta!r}")
         if not (isinstance(self.write_noise, (int, float)) and 0 <= self.write_noise < 1):
             raise ValueError(f"write_noise must be in [0, 1), got {self.write_noise!r}")
+        if self.memory_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"memory_dtype must be None, float32, bfloat16 or float16, got {self.memory_dtype!r}")
         if self.checkpoint is None:
             if not self.is_noop:
                 raise ValueError(
@@ -212,8 +218,15 @@ class CorePress(BasePress, name="core"):
         if not self.memory or self._core is None:
             return 0
         c = self.core.config
-        per_head = self.core.memory.state_bytes() // (c.num_layers * c.num_kv_heads)
+        mb = self._memory_dtype(cache_element_size).itemsize  # [M | b] in the storage dtype, Z/s_v/radius fp32
+        per_head = c.memory_dim * (c.head_dim + 1) * mb + (c.head_dim + 2) * 4
         return math.ceil(per_head / (2 * c.head_dim * cache_element_size))
+
+    def _memory_dtype(self, cache_element_size: int) -> torch.dtype:
+        """Storage dtype of ``[M | b]``: ``memory_dtype``, else the cache's (fp32 cache: fp32; 2-byte cache: bf16)."""
+        if self.memory_dtype:
+            return getattr(torch, self.memory_dtype)
+        return torch.float32 if cache_element_size >= 4 else torch.bfloat16
 
     def event_budget(self, seen: int, cache_element_size: int) -> int:
         """B at an event after ``seen`` tokens: ``target(seen)`` (replay's ``budget_split``), budget-matched if asked."""
@@ -455,7 +468,7 @@ class CorePress(BasePress, name="core"):
                     else -1.0
                 )
                 wts = wts * (1 + self.write_noise * sign)
-            st["mem"] = self._write(mem, idx, k_pre.gather(1, gather), v.float().gather(1, gather), wts)
+            st["mem"] = self._write(mem, idx, k_pre.gather(1, gather), v.float().gather(1, gather), wts, keys.dtype)
         st["survive"] = st["survive"] * (1 - eps_hat)
         if self.log_certificate and n_ev > 0:
             ek, ev = k.gather(1, gather), v.gather(1, gather)
@@ -511,9 +524,10 @@ class CorePress(BasePress, name="core"):
             self._log_certificate(module, st, layer, q_post, o_r, o_hat, g, lse)
         return o_hat.transpose(0, 1).reshape(1, t, h * d).to(attn_output.dtype)
 
-    def _write(self, mem: MemoryState, idx: int, keys, values, weights) -> MemoryState:
+    def _write(self, mem: MemoryState, idx: int, keys, values, weights, cache_dtype=torch.float32) -> MemoryState:
         """One event's write (:func:`core_kv.memory.write_fused`; :func:`~core_kv.memory.write` up to rounding)."""
-        return write_fused(mem, self.core.memory.w_phi[idx].detach(), keys, values, weights)
+        dtype = self._memory_dtype(cache_dtype.itemsize)
+        return write_fused(mem, self.core.memory.w_phi[idx].detach(), keys, values, weights, dtype=dtype)
 
     def _compensate(self, mem: MemoryState, idx: int, q_pre, o_r, lse):
         """``(ô, g)`` (:func:`core_kv.memory.compensate_fused`; :func:`~core_kv.memory.compensate` up to rounding)."""
