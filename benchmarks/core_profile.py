@@ -15,7 +15,8 @@ instrumentation in the library, so production pays nothing):
 | write       | the memory write (φ⁺ of evicted keys, M, b, Z, ...)                               |
 | evict       | the rest of the event and the cache gather                                        |
 | readout_lse | log-partition of the queries over the retained cache                              |
-| readout     | φ⁺(q), m(q), the gate and ô                                                       |
+| readout_mem | φ⁺(q), m(q), the gate and ô (``_compensate``)                                     |
+| readout     | the rest of the readout hook (layouts, post-RoPE queries when lse_R is computed)  |
 
 Times are self times (a component's children are subtracted), CPU seconds, one thread. ``overhead`` = CORE's
 total minus no compression's; what the components do not explain is the cost of the smaller cache's attention
@@ -42,7 +43,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from core_cost import SHAPES, build_artifact, build_model  # noqa: E402
 
-COMPONENTS = ("q_hook", "hooks", "unrope", "features", "indexer", "topb", "write", "evict", "readout_lse", "readout")
+COMPONENTS = (
+    "q_hook", "hooks", "unrope", "features", "indexer", "topb", "write", "evict", "readout_lse", "readout_mem", "readout",
+)  # fmt: skip
 
 
 class Profiler:
@@ -126,6 +129,8 @@ def instrument(prof: Profiler, press) -> None:
     prof.wrap(core_mod, "top_free", "topb")
     prof.wrap(core_mod, "protected_mask", "topb")
     prof.wrap(press.core.memory, "write", "write")
+    prof.wrap(cls, "_write", "write")
+    prof.wrap(cls, "_compensate", "readout_mem")
     prof.wrap(core_mod, "memory_write", "write")
     prof.wrap(cls, "readout", "readout", mod_layer)
     prof.wrap(cls, "_retained_lse", "readout_lse")
