@@ -154,7 +154,15 @@ def _make_wrapper(base: str):
             # (per-layer budgets, e.g. PyramidKV) need their own causal mask, aligned to the end of the cache.
             attention_mask = causal_mask(query.shape[-2], key.shape[-2], query.dtype, query.device)
         sink = module.__dict__.get(LSE_SINK)
-        if sink is not None and base == "sdpa" and query.shape[0] == 1 and query.shape[2] == 1 and not dropout:
+        if (
+            sink is not None
+            and base == "sdpa"
+            and query.shape[0] == 1
+            and query.shape[2] == 1
+            and not dropout
+            and attention_mask is None  # no padding, no sliding window: the one query sees every cached key
+            and kwargs.get("sliding_window") is None
+        ):
             # one new query per head (a decode step) for a press that wants its log-partition (CORE's readout):
             # the CPU/GPU flash kernel returns it with the output, so the press does not recompute q·K; the G query
             # heads of a KV head ride as G rows of one (no causal mask for a single query, no repeated KV)
