@@ -47,6 +47,18 @@ SHAPES = {
         rope_theta=500000.0,
         max_position_embeddings=131072,
     ),
+    "smollm2-135m": dict(  # HuggingFaceTB/SmolLM2-135M-Instruct config.json (30 layers, 9 query / 3 KV heads, D 64)
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
 }
 DECODE_STEPS = 32
 
@@ -74,7 +86,7 @@ def build_artifact(model, folder: Path) -> Path:
     return folder
 
 
-def presses(checkpoint: Path, ratio: float, n: int, chunked: bool) -> dict:
+def presses(checkpoint: Path, ratio: float, n: int, chunked: bool, memory_dtypes=()) -> dict:
     """The three methods at context ``n``. Chunked SnapKV gets the absolute budget ``floor(n (1 − ratio))``: with a
     ratio the framework re-applies it to the compressed cache at every chunk (170 tokens/head at 75% and chunk 512,
     whatever n), which would compare different payloads; CORE's own event budget ends at the same count."""
@@ -85,6 +97,9 @@ def presses(checkpoint: Path, ratio: float, n: int, chunked: bool) -> dict:
         "none": None,
         "snapkv": build_press("snapkv", **snap),
         "core": build_press("core", checkpoint=str(checkpoint), compression_ratio=ratio),
+    } | {
+        f"core_{dt}": build_press("core", checkpoint=str(checkpoint), compression_ratio=ratio, memory_dtype=dt)
+        for dt in memory_dtypes
     }
 
 
@@ -135,7 +150,7 @@ def table(results: dict, lengths: list[int]) -> str:
                     f"| {mode} | {n} | {m} | {v['prefill']:.3f} | {1e3 * v['decode']:.2f} | "
                     f"{v['prefill'] / r['none']['prefill']:.3f} | {v['prefill'] / r['snapkv']['prefill']:.3f} | "
                     f"{v['decode'] / r['none']['decode']:.3f} | {v['decode'] / r['snapkv']['decode']:.3f} | "
-                    f"{v['kv_bytes']:,} | {v['aux_bytes']:,} |"
+                    f"{v['kv_bytes']:,} | {v['aux_bytes']:,} ({100 * v['aux_bytes'] / v['kv_bytes']:.1f}% of KV) |"
                 )
     return "\n".join(rows)
 
@@ -152,6 +167,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="config-built model shape")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers of --shape (default: all of them)")
     ap.add_argument("--modes", nargs="+", choices=["one-shot", "chunked"], default=["one-shot", "chunked"])
+    ap.add_argument("--memory-dtypes", nargs="*", default=[], help="also CORE with memory_dtype=<each> (float16, ...)")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -173,7 +189,7 @@ def main(argv=None) -> None:
         for mode, chunk in modes:
             results[mode] = {}
             for n in args.lengths:
-                methods = presses(ckpt, args.ratio, n, chunk is not None)
+                methods = presses(ckpt, args.ratio, n, chunk is not None, args.memory_dtypes)
                 results[mode][str(n)] = measure(model, methods, n, chunk, args.repeats)
                 print(f"[core_cost] {mode} {n}: {json.dumps(results[mode][str(n)])}", flush=True)
         core = methods["core"].core

@@ -90,7 +90,7 @@ def observation_attention(
         queries: Post-RoPE window queries (Hkv, G, w, D).
         keys: Post-RoPE candidate keys (Hkv, N, D).
         query_pos: Absolute positions of the queries (w,).
-        key_pos: Absolute positions of the candidates (N,).
+        key_pos: Absolute positions of the candidates (N,), or per KV head (Hkv, N).
         scaling: The attention module's score scale (``1/√D`` for Llama).
 
     Returns:
@@ -98,8 +98,12 @@ def observation_attention(
     """
     h, g, w, d = queries.shape
     logits = (queries.reshape(h, g * w, d).float() @ keys.float().mT) * scaling  # (Hkv, G·w, N)
-    visible = key_pos[None, :] <= query_pos[:, None]  # (w, N)
-    logits = logits.masked_fill(~visible.repeat(g, 1)[None], float("-inf"))
+    if key_pos.dim() == 1:
+        visible = key_pos[None, :] <= query_pos[:, None]  # (w, N)
+        logits = logits.masked_fill(~visible.repeat(g, 1)[None], float("-inf"))
+    else:  # per-head candidate positions (Hkv, N): one call for every KV head of a layer
+        visible = key_pos[:, None, :] <= query_pos[None, :, None]  # (Hkv, w, N)
+        logits = logits.masked_fill(~visible.repeat(1, g, 1), float("-inf"))
     return logits.softmax(-1)
 
 
@@ -130,7 +134,7 @@ def compute_features(
         obs_queries: Pre-RoPE window queries (Hkv, G·w, D).
         keys: Pre-RoPE candidate keys (Hkv, N, D).
         values: Candidate values (Hkv, N, D).
-        positions: Absolute candidate positions (N,).
+        positions: Absolute candidate positions (N,), or per KV head (Hkv, N).
         last_pos: Position ``t`` of the last processed token (the event time).
         z: Projected keys (Hkv, N, d_z) (:meth:`Geometry.project`).
         phi: Nyström coverage features (Hkv, N, M) (:meth:`Geometry.nystrom`).
@@ -146,7 +150,8 @@ def compute_features(
     obs_mean = obs_attn.mean(1)  # (Hkv, N)
     obs_max = obs_attn.amax(1)
     ema = update_persistence(persistence, obs_mean)
-    pos = positions.to(keys.device).float()[None].expand(hkv, n)
+    pos = positions.to(keys.device).float()
+    pos = pos[None].expand(hkv, n) if pos.dim() == 1 else pos
     dist = float(last_pos) - pos
     sim = z.float() @ prototypes.float().mT  # (Hkv, N, M)
     psi = (sim / PSI_TEMPERATURE).softmax(-1)

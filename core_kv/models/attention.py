@@ -153,10 +153,41 @@ def _make_wrapper(base: str):
             # transformers builds one mask from layer 0's cache length; layers compressed to other lengths
             # (per-layer budgets, e.g. PyramidKV) need their own causal mask, aligned to the end of the cache.
             attention_mask = causal_mask(query.shape[-2], key.shape[-2], query.dtype, query.device)
+        sink = module.__dict__.get(LSE_SINK)
+        if (
+            sink is not None
+            and base == "sdpa"
+            and query.shape[0] == 1
+            and query.shape[2] == 1
+            and not dropout
+            and attention_mask is None  # no padding, no sliding window: the one query sees every cached key
+            and kwargs.get("sliding_window") is None
+        ):
+            # one new query per head (a decode step) for a press that wants its log-partition (CORE's readout):
+            # the CPU/GPU flash kernel returns it with the output, so the press does not recompute q·K; the G query
+            # heads of a KV head ride as G rows of one (no causal mask for a single query, no repeated KV)
+            out, lse = _attention_with_lse(query, key, value, scaling)
+            if out is not None:
+                sink["lse"] = lse
+                return out, None
         fn = ALL_ATTENTION_FUNCTIONS[base] if base != "eager" else _family(module).eager_attention_forward
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
     return attention
+
+
+LSE_SINK = "_core_kv_lse_sink"  # attention-module attribute: a dict that receives "lse" (H, 1) of a decode step
+
+
+def _attention_with_lse(query, key, value, scaling):
+    """``(output (1, 1, H, D), lse (H, 1))`` of one query per head over ``key``/``value`` (1, Hkv, S, D)."""
+    b, h, _, d = query.shape
+    hkv = key.shape[1]
+    if query.device.type != "cpu" or h % hkv or key.shape[0] != 1:
+        return None, None
+    q = query.reshape(1, hkv, h // hkv, d)  # rows of a KV head's query heads
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, key, value, 0.0, False, scale=scaling)
+    return out.reshape(1, h, 1, d).transpose(1, 2).contiguous(), lse.reshape(h, 1)
 
 
 def register_attention(base: str) -> str:

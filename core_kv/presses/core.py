@@ -48,8 +48,8 @@ from torch import nn
 
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
 from core_kv.indexer import CoreModel
-from core_kv.memory import WRITE_RULES, MemoryState, write_weights
-from core_kv.models.attention import apply_rope, attention_modules
+from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
+from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported
 from core_kv.presses.base import BasePress
 from core_kv.teacher.metrics import protected_mask, top_free
@@ -118,6 +118,9 @@ class CorePress(BasePress, name="core"):
         certificate_delta: δ of the online certificate (paper Table 8 uses δ = 0.05).
         write_noise: Perturb each event's write weights by ``(1 + write_noise · ξ_e)``, ``ξ_e = ±1`` seeded per
             (layer, event): the mass perturbation of paper Table 8's ``G^(δ)`` (0 = off).
+        memory_dtype: Storage dtype of the memory's ``[M | b]`` (``"bfloat16"``, ``"float16"``, ``"float32"``;
+            ``None`` = the cache's: fp32 for an fp32 model, bf16 for a 2-byte one); writes and reads compute in fp32
+            (``Z``, ``s_v``, the radius stay fp32).
 
     Attributes:
         events: One dict per (layer, event) of the last context: ``t_e``, candidates, budget, evicted count, and per
@@ -137,6 +140,7 @@ class CorePress(BasePress, name="core"):
     log_certificate: bool = False
     certificate_delta: float = 0.05
     write_noise: float = 0.0
+    memory_dtype: str | None = None
 
     _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -157,6 +161,8 @@ class CorePress(BasePress, name="core"):
             raise ValueError(f"certificate_delta must be >= 0, got {self.certificate_delta!r}")
         if not (isinstance(self.write_noise, (int, float)) and 0 <= self.write_noise < 1):
             raise ValueError(f"write_noise must be in [0, 1), got {self.write_noise!r}")
+        if self.memory_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"memory_dtype must be None, float32, bfloat16 or float16, got {self.memory_dtype!r}")
         if self.checkpoint is None:
             if not self.is_noop:
                 raise ValueError(
@@ -229,8 +235,15 @@ class CorePress(BasePress, name="core"):
         if not self.memory or self._core is None:
             return 0
         c = self.core.config
-        per_head = self.core.memory.state_bytes() // (c.num_layers * c.num_kv_heads)
+        mb = self._memory_dtype(cache_element_size).itemsize  # [M | b] in the storage dtype, Z/s_v/radius fp32
+        per_head = c.memory_dim * (c.head_dim + 1) * mb + (c.head_dim + 2) * 4
         return math.ceil(per_head / (2 * c.head_dim * cache_element_size))
+
+    def _memory_dtype(self, cache_element_size: int) -> torch.dtype:
+        """Storage dtype of ``[M | b]``: ``memory_dtype``, else the cache's (fp32 cache: fp32; 2-byte cache: bf16)."""
+        if self.memory_dtype:
+            return getattr(torch, self.memory_dtype)
+        return torch.float32 if cache_element_size >= 4 else torch.bfloat16
 
     def event_budget(self, seen: int, cache_element_size: int) -> int:
         """B at an event after ``seen`` tokens: ``target(seen)`` (replay's ``budget_split``), budget-matched if asked."""
@@ -249,8 +262,9 @@ class CorePress(BasePress, name="core"):
         for st in self._layers.values():
             if st.get("mem") is not None:
                 out["memory_state"] += st["mem"].nbytes()
-            out["positions"] += st["pos"].numel() * st["pos"].element_size()
-            out["persistence"] += st["persist"].numel() * st["persist"].element_size()
+            hkv = st["pos"].shape[0]  # entries appended since the last event count as held (they are, lazily)
+            out["positions"] += (st["pos"].numel() + hkv * st["n_pending"]) * st["pos"].element_size()
+            out["persistence"] += (st["persist"].numel() + hkv * st["n_pending"]) * st["persist"].element_size()
             if st.get("wq_pre") is not None:
                 out["obs_window"] += st["wq_pre"].numel() * st["wq_pre"].element_size() + st["wpos"].numel() * 8
         return out
@@ -282,7 +296,8 @@ class CorePress(BasePress, name="core"):
             if isinstance(layer, RaggedLayer):
                 raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
             n = layer.keys.shape[2]
-            if st["pos"].shape[1] > n:  # the pipeline trimmed question/answer tokens: forget their entries
+            if st["pos"].shape[1] + st["n_pending"] > n:  # the pipeline trimmed question/answer tokens: forget them
+                self._materialize(st)
                 st["pos"], st["persist"] = st["pos"][:, :n], st["persist"][:, :n]
         t = hs.shape[1]
         pid = kwargs.get("position_ids")
@@ -291,6 +306,16 @@ class CorePress(BasePress, name="core"):
         )
         # the queries themselves come from the model's own q projection (_q_hook), not a second projection
         st["fwd"] = {"pos": new_pos, "cache": cache, "position_embeddings": kwargs["position_embeddings"]}
+        # the observation window only matters if an event can still happen in this context (an event needs an empty
+        # cache before, chunked prefill or decode-time eviction): otherwise it is dropped, not maintained
+        st["fwd"]["window"] = self.decoding or self._mode == "prefill" or self._state[idx]["empty_before"]
+        if not st["fwd"]["window"]:
+            st["wq_pre"], st["wpos"] = None, st["wpos"][:0]
+        # a decode step that will read the memory: let the attention return its log-partition (no q·K recompute)
+        if self.memory and st["mem"] is not None and t == 1 and not self.log_certificate:
+            module.__dict__[LSE_SINK] = st["fwd"]
+        else:
+            module.__dict__.pop(LSE_SINK, None)
 
     def _q_hook(self, attn: nn.Module, proj: nn.Module, args, output: torch.Tensor) -> None:
         """Pre-/post-RoPE queries of the current forward from the output of ``q_proj`` (``qkv_proj`` for Phi3)."""
@@ -303,8 +328,9 @@ class CorePress(BasePress, name="core"):
         if hasattr(attn, "q_norm"):
             q = attn.q_norm(q)
         q_pre = q.transpose(1, 2)  # (1, H, T, D), as prerope_queries
-        q_post = apply_rope(attn, q_pre, fwd["position_embeddings"])
-        fwd["q_pre"], fwd["q_post"] = q_pre[0].float(), q_post[0].float()
+        fwd["q_pre"] = q_pre[0].float()  # post-RoPE queries are made by the readout, only if the memory is read
+        if not fwd["window"]:
+            return
         # observation window: the last OBS_WINDOW queries, across forwards (decode steps included)
         wq_pre = fwd["q_pre"] if st["wq_pre"] is None else torch.cat([st["wq_pre"], fwd["q_pre"]], 1)
         wpos = torch.cat([st["wpos"], fwd["pos"]])
@@ -324,12 +350,16 @@ class CorePress(BasePress, name="core"):
         finally:
             for h in handles:
                 h.remove()
+            for attn in attention_modules(model):
+                attn.__dict__.pop(LSE_SINK, None)
 
     def _fresh(self, module: nn.Module, device) -> dict:
         hkv = module.config.num_key_value_heads
         return {
             "pos": torch.empty(hkv, 0, dtype=torch.long, device=device),  # original position of every cached entry
             "persist": torch.empty(hkv, 0, device=device),  # persistence EMA (feature 2), NaN = new
+            "pending": [],  # positions (t,) of forwards since the last event, appended to pos/persist lazily
+            "n_pending": 0,
             "wq_pre": None,
             "wpos": torch.empty(0, dtype=torch.long, device=device),
             "next": 0,  # 1 + the last position processed
@@ -351,13 +381,16 @@ class CorePress(BasePress, name="core"):
         layer = cache.layers[idx]
         if isinstance(layer, RaggedLayer):
             raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
-        hkv, size = layer.keys.shape[1], layer.keys.shape[2]
+        size = layer.keys.shape[2]
         t = hs.shape[1]
-        st["pos"] = torch.cat([st["pos"], fwd["pos"][None].expand(hkv, t)], 1)
-        st["persist"] = torch.cat([st["persist"], st["persist"].new_full((hkv, t), float("nan"))], 1)
+        # bookkeeping of the new entries is deferred to the next event (or trim): a step without an event adds no
+        # tensor work beyond this (decode-time eviction costs nothing on the steps where nothing is evicted)
+        st["pending"].append(fwd["pos"])
+        st["n_pending"] += t
         st["next"] = max(st["next"], int(fwd["pos"].max()) + 1)
-        if st["pos"].shape[1] != size:
-            raise RuntimeError(f"layer {idx}: tracked {st['pos'].shape[1]} cached entries, the cache holds {size}")
+        tracked = st["pos"].shape[1] + st["n_pending"]
+        if tracked != size:
+            raise RuntimeError(f"layer {idx}: tracked {tracked} cached entries, the cache holds {size}")
         n_kept = self.event_budget(st["next"], layer.keys.element_size())
         if self._mode == "prefill" or st_base["empty_before"]:
             if n_kept >= size:
@@ -369,17 +402,34 @@ class CorePress(BasePress, name="core"):
             return output
         check_cache_supported(cache)
         self.check_inputs(module, layer.keys, layer.values)
+        self._materialize(st)
         kept = self._event(module, st, layer.keys, layer.values, hs, kwargs, n_kept)
         self._apply(cache, idx, layer.keys, layer.values, kept[None])
         return output
+
+    @staticmethod
+    def _materialize(st: dict) -> None:
+        """Append the entries of the forwards since the last event to ``pos`` (their positions) and ``persist`` (NaN)."""
+        if not st["n_pending"]:
+            return
+        hkv = st["pos"].shape[0]
+        new = torch.cat(st["pending"]) if len(st["pending"]) > 1 else st["pending"][0]
+        st["pos"] = torch.cat([st["pos"], new[None].expand(hkv, -1)], 1)
+        st["persist"] = torch.cat([st["persist"], st["persist"].new_full((hkv, new.shape[0]), float("nan"))], 1)
+        st["pending"], st["n_pending"] = [], 0
 
     # ------------------------------------------------------------------------------------------------------------
     # The eviction event
 
     def unrope(self, module: nn.Module, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pre-RoPE keys (Hkv, N, D) from cached post-RoPE ``keys`` at their original ``positions`` (Hkv, N)."""
+        """Pre-RoPE keys (Hkv, N, D) from cached post-RoPE ``keys`` at their original ``positions`` (Hkv, N).
+
+        When every head holds the same positions (the first event of a context) cos/sin are computed once and
+        broadcast over the heads (the same numbers, elementwise)."""
         x = keys.float()[:, None]  # (Hkv, 1, N, D): heads as the batch
-        cos, sin = self._rotary(x, positions)  # (Hkv, N, r)
+        if positions.shape[0] > 1 and bool((positions == positions[:1]).all()):
+            positions = positions[:1]
+        cos, sin = self._rotary(x, positions)  # (Hkv or 1, N, r)
         return apply_rope(module, x, (cos.float(), -sin.float()))[:, 0]
 
     def _features(self, module, st, keys, values, k_pre) -> torch.Tensor:
@@ -394,18 +444,14 @@ class CorePress(BasePress, name="core"):
         phi = geo.nystrom(idx, z)  # (Hkv, N, M)
         protos = geo.prototypes[idx].to(z)
         scaling = float(getattr(module, "scaling", d**-0.5))
-        feats = []
-        for h in range(hkv):
-            c = st["pos"][h]
-            qs = slice(h * g, (h + 1) * g)
-            obs = observation_attention(wq_post[qs][None], keys[h][None], st["wpos"], c, scaling)
-            f, ema = compute_features(
-                obs, st["wq_pre"][qs].reshape(1, -1, d), k_pre[h][None], values[h][None], c, st["next"] - 1,
-                z[h][None], phi[h][None], protos[h][None], st["persist"][h][None],
-            )  # fmt: skip
-            st["persist"][h] = ema[0]
-            feats.append(f[0])
-        return torch.stack(feats)
+        # every KV head at once (per-head candidate positions): the per-head computation of replay_layer, batched
+        obs = observation_attention(wq_post.view(hkv, g, -1, d), keys, st["wpos"], st["pos"], scaling)
+        f, ema = compute_features(
+            obs, st["wq_pre"].reshape(hkv, -1, d), k_pre, values, st["pos"], st["next"] - 1, z, phi, protos,
+            st["persist"],
+        )  # fmt: skip
+        st["persist"] = ema
+        return f
 
     @torch.no_grad()
     def _event(self, module, st, keys, values, hidden_states, kwargs, b: int) -> torch.Tensor:
@@ -440,7 +486,7 @@ class CorePress(BasePress, name="core"):
                     else -1.0
                 )
                 wts = wts * (1 + self.write_noise * sign)
-            st["mem"] = self.core.memory.write(mem, idx, k_pre.gather(1, gather), v.float().gather(1, gather), wts)
+            st["mem"] = self._write(mem, idx, k_pre.gather(1, gather), v.float().gather(1, gather), wts, keys.dtype)
         st["survive"] = st["survive"] * (1 - eps_hat)
         if self.log_certificate and n_ev > 0:
             ek, ev = k.gather(1, gather), v.gather(1, gather)
@@ -480,15 +526,34 @@ class CorePress(BasePress, name="core"):
         if st is None or st.get("mem") is None or "fwd" not in st:
             return None
         fwd = st["fwd"]
-        layer = fwd["cache"].layers[module.layer_idx]
-        q_pre, q_post = fwd["q_pre"], fwd["q_post"]  # (H, T, D)
+        idx = module.layer_idx
+        layer = fwd["cache"].layers[idx]
+        q_pre = fwd["q_pre"]  # (H, T, D)
         h, t, d = q_pre.shape
         o_r = attn_output[0].view(t, h, d).transpose(0, 1).float()  # (H, T, D)
-        lse = self._retained_lse(module, q_post, layer.keys[0])
-        o_hat, g = self.core.memory.compensate(st["mem"], module.layer_idx, q_pre, o_r, lse)
+        lse = fwd.get("lse")  # from the attention kernel (decode steps, see _pre_hook), else computed here
+        q_post = None
+        if lse is None or self.log_certificate:
+            q_post = apply_rope(module, q_pre[None], fwd["position_embeddings"])[0].float()
+            lse = self._retained_lse(module, q_post, layer.keys[0])
+        lse = lse.float()
+        o_hat, g = self._compensate(st["mem"], idx, q_pre, o_r, lse)
         if self.log_certificate and st["shadow"] is not None:
             self._log_certificate(module, st, layer, q_post, o_r, o_hat, g, lse)
         return o_hat.transpose(0, 1).reshape(1, t, h * d).to(attn_output.dtype)
+
+    def _write(self, mem: MemoryState, idx: int, keys, values, weights, cache_dtype=torch.float32) -> MemoryState:
+        """One event's write (:func:`core_kv.memory.write_fused`; :func:`~core_kv.memory.write` up to rounding)."""
+        dtype = self._memory_dtype(cache_dtype.itemsize)
+        return write_fused(mem, self.core.memory.w_phi[idx].detach(), keys, values, weights, dtype=dtype)
+
+    def _compensate(self, mem: MemoryState, idx: int, q_pre, o_r, lse):
+        """``(ô, g)`` (:func:`core_kv.memory.compensate_fused`; :func:`~core_kv.memory.compensate` up to rounding)."""
+        m = self.core.memory
+        if mem.Mb is None:  # a state written by memory.write (not by this press)
+            return m.compensate(mem, idx, q_pre, o_r, lse)
+        w_phi_t = m.w_phi[idx].detach().mT  # a transposed view: the matmul reads it in place
+        return compensate_fused(mem, w_phi_t, m.gate_w[idx], m.gate_b[idx], q_pre, o_r, lse)
 
     def _log_certificate(self, module, st, layer, q_post, o_r, o_hat, g, lse_r) -> None:
         """True retention error vs the four-term bound, per query head (averaged over this forward's queries)."""
