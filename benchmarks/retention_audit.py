@@ -20,7 +20,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -84,9 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0 < args.ratio < 1 or args.n < 1:
         raise SystemExit("--ratio must be in (0, 1) and --n >= 1")
 
-    import core_kv.presses  # noqa: F401
     from transformers import DynamicCache
 
+    import core_kv.presses  # noqa: F401
     from core_kv.models.loading import load_model
     from core_kv.presses import build_press
 
