@@ -167,8 +167,8 @@ def test_fresh_conversion_reproduces_the_fingerprint_and_logits(tmp_path, smollm
 @pytest.mark.slow
 def test_smollm2_answers_a_fixed_needle_prompt(smollm2):
     """The real model retrieves a passkey from a 1k-token essay haystack with the full cache (chat template on)."""
-    from core_kv.eval.resources import essays_text
     from core_kv.pipeline import answer_questions
+    from core_kv.resources import essays_text
 
     model, tok = load_model(NAME, dtype="float32")
     words = essays_text().split()[:700]

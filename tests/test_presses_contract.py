@@ -21,11 +21,11 @@ import torch.nn.functional as F
 import transformers
 from transformers import DynamicCache
 
+from core_kv.distill.replay import capture
+from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa
 from core_kv.models.cache import HeadGroup, RaggedKV, RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.pipeline import greedy_answer, prefill
-from core_kv.distill.replay import capture
-from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.presses import PRESSES, BasePress
 from core_kv.presses import build_press as _build_press
 from core_kv.presses.core import CorePress

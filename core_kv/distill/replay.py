@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import core_kv.teacher  # noqa: F401  (loads teacher.coverage before features; avoids an import cycle)
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
 from core_kv.models.attention import _split_qkv, apply_rope, attention_modules, prerope_keys, prerope_queries
 from core_kv.teacher.geometry import Geometry

@@ -50,8 +50,8 @@ from core_kv.distill.replay import ReplaySpec, Timer, replay_layer, segment_atte
 from core_kv.distill.steps import Context, DocItem, MemoryStep, OnPolicyStep, WarmupStep
 from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
+from core_kv.kernels import normalised_beta_b
 from core_kv.memory import write_weights
-from core_kv.teacher.coverage import normalised_beta_b
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
 from core_kv.teacher.metrics import budget_split, greedy_select, protected_mask, set_quality, top_free
 from core_kv.teacher.run import load_model, make_docs, run_teacher

@@ -27,8 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from core_kv.eval.resources import essay_files, sent_tokenize, words
 from core_kv.models.proxy_tokenizer import NOISE_LINE
+from core_kv.resources import essay_files, sent_tokenize, words
 
 RULER_SEED = 42
 HELD_OUT_WORDS = 16_000  # words of RULER's haystack prefix kept unseen (≈27k proxy tokens, far beyond 4k contexts)

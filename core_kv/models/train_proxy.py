@@ -153,9 +153,9 @@ def build_proxy_tokenizer(
     base_vocab: int = 4096, key_words: bool = True, uuid_chars: bool = False, key_sentences: int | None = None
 ):
     """The proxy tokenizer trained on the training essays only (see ``proxy_tokenizer``)."""
-    from core_kv.eval.resources import essay_files, words
     from core_kv.models.proxy_data import held_out_essays
     from core_kv.models.proxy_tokenizer import build_tokenizer, default_corpus
+    from core_kv.resources import essay_files, words
 
     held = held_out_essays()
     essays = [f.read_text(encoding="utf-8") for f in essay_files() if f.stem not in held]

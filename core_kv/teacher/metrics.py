@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from core_kv.teacher.coverage import coverage_logdet
+from core_kv.kernels import coverage_logdet
 
 
 def budget_split(n: int, ratio: float, sinks: int, recent: int) -> tuple[int, int, int]:

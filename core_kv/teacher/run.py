@@ -48,6 +48,7 @@ from core_kv.features import (
     spec,
 )
 from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
+from core_kv.kernels import normalised_beta_b
 from core_kv.models.attention import (
     _split_qkv,
     apply_rope,
@@ -56,7 +57,6 @@ from core_kv.models.attention import (
     prerope_keys,
     prerope_queries,
 )
-from core_kv.teacher.coverage import normalised_beta_b
 from core_kv.teacher.dataset import FORMAT, MANIFEST, ShardWriter, TeacherRecord, config_hash
 from core_kv.teacher.geometry import Geometry, fit_geometry, model_fingerprint
 from core_kv.teacher.metrics import (
