@@ -142,7 +142,7 @@ class Trainer:
         ):
             raise FileNotFoundError(
                 f"base model folder {spec.path!r} not found: build the proxy LM first "
-                "(python -m core_kv.models.train_proxy --config configs/proxy/default.yaml, then mode=export) "
+                "(python -m core_kv.proxy.train --config configs/proxy/default.yaml, then mode=export) "
                 "or pass teacher.model.path=<HF folder or hub id>"
             )
         self.model, self.tok = load_model(spec, acc.device)

@@ -233,12 +233,12 @@ def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
     if not spec_.random_init and local and not Path(spec_.path).is_dir():
         raise FileNotFoundError(
             f"model.path {spec_.path} does not exist: train/export the proxy LM first (python -m "
-            "core_kv.models.train_proxy ...), or pass model.path=<HF folder or hub id>"
+            "core_kv.proxy.train ...), or pass model.path=<HF folder or hub id>"
         )
     tok = None
     tok_path = spec_.tokenizer or ("" if spec_.random_init else spec_.path)
     if tok_path == "build":
-        from core_kv.models.train_proxy import build_proxy_tokenizer
+        from core_kv.proxy.train import build_proxy_tokenizer
 
         tok = build_proxy_tokenizer()
     elif tok_path:
@@ -291,7 +291,7 @@ def make_docs(data: DataSpec, indices: list[int], tokenizer) -> list[Doc]:
             qa = max(len(ctx) - data.question_tokens, 1)
             out.append(Doc(i, ctx + ans, qa, "hf"))
         return out
-    from core_kv.models.proxy_data import Generator
+    from core_kv.proxy.data import Generator
 
     gen = Generator(tokenizer, seed=data.seed)
     names, weights = zip(*sorted(data.mix.items()), strict=True)
