@@ -170,7 +170,3 @@ class TrainConfig:
             raise ValueError("wandb_mode must be offline, online or disabled")
         if self.stop_after < 0:
             raise ValueError("stop_after must be >= 0")
-
-    @property
-    def docs_per_step(self) -> str:
-        return f"{self.micro_batch} micro-batch x {self.grad_accum} accumulation x num_processes"

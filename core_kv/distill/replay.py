@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -105,17 +105,12 @@ def capture(model: nn.Module, ids: torch.Tensor, autocast=None) -> list[LayerAct
     handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(mods)]
     try:
         body = getattr(model, "model", model)
-        with autocast if autocast is not None else _null():
+        with autocast if autocast is not None else nullcontext():
             body(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
     return [acts[i] for i in range(len(mods))]
-
-
-@contextmanager
-def _null():
-    yield
 
 
 def future_queries(t_e: int, chunk: int, qa_start: int | None, t_len: int, qa_weight: float, device=None):

@@ -36,6 +36,7 @@ import os
 import shutil
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -286,7 +287,7 @@ class Trainer:
                     group["lr"] = lr_at(step, total, scfg.lr, scfg.warmup_lr_steps) * group["lr_scale"]
                 loss, logs = module(batch)
                 timer = self.timers.get(name)
-                with timer("backward_optimizer") if timer else _nullctx():
+                with timer("backward_optimizer") if timer else nullcontext():
                     acc.backward(loss)
                     if acc.sync_gradients and scfg.grad_clip > 0:
                         acc.clip_grad_norm_(module.parameters(), scfg.grad_clip)
@@ -554,7 +555,7 @@ class Trainer:
 
             atomic_write_text(self.out / "config.yaml", OmegaConf.to_yaml(to_dict(cfg)))
             atomic_write_json(self.out / "summary.json", summary)
-            atomic_write_text(self.out / "report.md", markdown_report(summary))
+            atomic_write_text(self.out / "report.md", distill_report_markdown(summary))
         acc.wait_for_everyone()
         return final
 
@@ -671,14 +672,6 @@ def _steps(root: Path) -> list[int]:
     return sorted((int(p.name.split("_")[1]) for p in root.glob("step_*") if p.is_dir()), reverse=True)
 
 
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def format_summary(summary: dict) -> str:
     lines = ["CORE stage 2 — distillation, calibration, memory (held-out documents)"]
     for tag, r in summary["eval"].items():
@@ -703,7 +696,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(summary: dict) -> str:
+def distill_report_markdown(summary: dict) -> str:
     """The summary as the markdown tables of ``docs/results.md`` (also written to ``<out_dir>/report.md``)."""
     ev, lines = summary["eval"], []
     lines += ["| ratio | candidates | KL(p* ‖ softmax s) | Top-B overlap (free picks) |", "|---|---|---|---|"]

@@ -272,10 +272,7 @@ def _build_press(cfg: EvalConfig, method: str, ratio: float) -> BasePress:
     kind = options.pop("kind", method)
     if kind == REFERENCE:
         return build_press(REFERENCE, **options)
-    # A press may declare which option the grid's ratio sets (kvpress sets head/threshold ratios per press type);
-    # the default is the common compression_ratio.
-    option = getattr(PRESSES[kind], "ratio_option", "compression_ratio")
-    return build_press(kind, **{option: ratio}, **options)
+    return build_press(kind, compression_ratio=ratio, **options)
 
 
 # ------------------------------------------------------------------------------------------------------ partial I/O

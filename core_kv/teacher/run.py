@@ -593,36 +593,6 @@ def format_report(cfg: TeacherConfig, m: dict, model_name: str) -> str:
     return "\n".join(lines)
 
 
-def format_markdown(metrics: dict, ratios: list[float], steps: int = 8, ref_steps: int = 16) -> str:
-    """Table 5, Table 7 and throughput of a run's ``metrics.json`` as markdown (for ``docs/results.md``)."""
-    tags = [f"r{round(100 * r)}" for r in ratios]
-    t5, t7, th = metrics["table5"], metrics["table7"], metrics["throughput"]
-    out = ["| R | median e_R | P90 e_R | " + " | ".join(f"Top-B agreement @{t[1:]}%" for t in tags) + " |",
-           "|---|---|---|" + "---|" * len(tags)]  # fmt: skip
-    for r in ("1", str(steps)):
-        e = t5[r]["e_R"]
-        ov = " | ".join(f"{100 * t5[r].get('overlap.' + t, float('nan')):.2f}%" for t in tags)
-        out.append(f"| {r} | {e['median']:.2e} | {e['p90']:.2e} | {ov} |")
-    e = t5[str(ref_steps)][f"e_R_vs_{2 * ref_steps}"]
-    out.append(f"| {ref_steps} (vs {2 * ref_steps}) | {e['median']:.2e} | {e['p90']:.2e} | " + "ref. | " * len(tags))
-    out += ["", "| removal | selector | U_B | C_B | J_B |", "|---|---|---|---|---|"]
-    for tag in tags:
-        for name in ("utility", "teacher", "greedy"):
-            if name not in t7.get(tag, {}):
-                continue
-            v = t7[tag][name]
-            out.append(f"| {tag[1:]}% | {name} | {v['U_B']:.4f} | {v['C_B']:.4f} | {v['J_B']:.4f} |")
-    share = ", ".join(f"{k} {100 * v:.1f}%" for k, v in th["share_without_metrics"].items())
-    out += [
-        "",
-        f"Throughput: {th['tokens']} tokens in {th['wall_s']:.0f} s wall = {th['tokens_per_s']:.0f} tokens/s, "
-        f"{th['tokens_per_s_per_layer']:.0f} token-layers/s (with the Table 5/7 diagnostics); "
-        f"{th['tokens_per_s_without_metrics']:.0f} tokens/s for the dataset alone. Time shares without the "
-        f"diagnostics: {share}.",
-    ]
-    return "\n".join(out)
-
-
 def run_teacher(cfg: TeacherConfig) -> dict:
     """Run the teacher over ``cfg.data`` and write the dataset to ``cfg.out_dir``; returns the metrics dict."""
     from accelerate import PartialState
