@@ -16,7 +16,15 @@ PACKAGE = ROOT / "core_kv"
 
 # Lowest first. A module belongs to the longest prefix that names it.
 FLOORS: list[tuple[str, ...]] = [
-    ("core_kv", "core_kv.config", "core_kv.io", "core_kv.resources", "core_kv.kernels", "core_kv.models"),
+    (
+        "core_kv",
+        "core_kv.config",
+        "core_kv.io",
+        "core_kv.resources",
+        "core_kv.kernels",
+        "core_kv.budget",
+        "core_kv.models",
+    ),
     ("core_kv.proxy",),  # the proxy LM's tokenizer, data and trainer: the teacher makes its documents with them
     ("core_kv.features",),
     ("core_kv.teacher",),

@@ -6,7 +6,7 @@ chunked prefill of that layer: events sit where the teacher puts them (:func:`co
 at event ``t_e`` the candidates of KV head h are its retained set from the previous event plus the tokens that
 arrived since, the 14 features come from :func:`core_kv.features.compute_features` (with the persistence EMA
 carried across events), the indexer scores them, and the retained set is the protected tokens plus the top free
-picks under the budget ``B = floor(t_e (1 − ratio))`` (:func:`core_kv.teacher.metrics.budget_split`).
+picks under the budget ``B = floor(t_e (1 − ratio))`` (:func:`core_kv.budget.budget_split`).
 
 ``policy`` decides who picks the retained set: ``student`` (the indexer's Top-B: the DAgger-style on-policy
 replay of CORE.md stage 2), ``teacher`` (Top-B of p*: teacher forcing) or ``full`` (nothing is evicted; the
@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from core_kv.budget import budget_split
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
 from core_kv.models.attention import _split_qkv, apply_rope, attention_modules, prerope_keys, prerope_queries
 from core_kv.teacher.geometry import Geometry
-from core_kv.teacher.metrics import budget_split, protected_mask, top_free
+from core_kv.teacher.metrics import protected_mask, top_free
 from core_kv.teacher.solver import solve_allocation
 from core_kv.teacher.utility import future_utility, normalise
 

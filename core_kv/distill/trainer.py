@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from core_kv.budget import budget_split
 from core_kv.config import to_dict
 from core_kv.distill.losses import calibration_error, excluded_mass, fit_temperature, kl_to_teacher, topb_overlap
 from core_kv.distill.replay import ReplaySpec, Timer, replay_layer, segment_attention
@@ -54,7 +55,7 @@ from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
 from core_kv.kernels import normalised_beta_b
 from core_kv.memory import write_weights
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
-from core_kv.teacher.metrics import budget_split, greedy_select, protected_mask, set_quality, top_free
+from core_kv.teacher.metrics import greedy_select, protected_mask, set_quality, top_free
 from core_kv.teacher.run import load_model, make_docs, run_teacher
 
 STAGES = ("indexer_warmup", "indexer", "calibration", "memory")  # in order; each depends on the ones before it

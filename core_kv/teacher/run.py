@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
+from core_kv.budget import budget_split
 from core_kv.config import to_dict
 from core_kv.features import (
     FEATURE_NAMES,
@@ -60,7 +61,6 @@ from core_kv.models.attention import (
 from core_kv.teacher.dataset import FORMAT, MANIFEST, ShardWriter, TeacherRecord, config_hash
 from core_kv.teacher.geometry import Geometry, fit_geometry, model_fingerprint
 from core_kv.teacher.metrics import (
-    budget_split,
     free_overlap,
     greedy_select,
     protected_mask,
