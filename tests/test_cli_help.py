@@ -83,7 +83,7 @@ def _leaves(cls, prefix=""):
 CONFIG_ENTRY_POINTS = {
     "train.py": ("core_kv.distill.config", "TrainConfig"),
     "eval.py": ("core_kv.eval.runner", "EvalConfig"),
-    "core_kv.teacher": ("core_kv.teacher.run", "TeacherConfig"),
+    "core_kv.teacher": ("core_kv.teacher.config", "TeacherConfig"),
     "core_kv.proxy.train": ("core_kv.proxy.train", "ProxyTrainConfig"),
 }
 

@@ -77,8 +77,8 @@ def test_load_by_name_round_trips_fingerprint_and_tokenizer(smollm2):
 
 
 def test_teacher_model_spec_accepts_the_name(smollm2):
-    from core_kv.teacher.run import ModelSpec
-    from core_kv.teacher.run import load_model as teacher_load
+    from core_kv.teacher.config import ModelSpec
+    from core_kv.teacher.docs import load_model as teacher_load
 
     model, tok = teacher_load(ModelSpec(path=NAME), torch.device("cpu"))
     assert model_fingerprint(model) == SMOLLM2_FINGERPRINT and len(tok) == 49152

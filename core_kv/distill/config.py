@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core_kv.memory import WRITE_RULES
-from core_kv.teacher.run import DataSpec, ModelSpec, TeacherConfig
+from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
 
 
 def _proxy_teacher() -> TeacherConfig:

@@ -55,8 +55,9 @@ from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
 from core_kv.kernels import normalised_beta_b
 from core_kv.memory import write_weights
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
+from core_kv.teacher.docs import load_model, make_docs
 from core_kv.teacher.metrics import greedy_select, protected_mask, set_quality, top_free
-from core_kv.teacher.run import load_model, make_docs, run_teacher
+from core_kv.teacher.run import run_teacher
 
 STAGES = ("indexer_warmup", "indexer", "calibration", "memory")  # in order; each depends on the ones before it
 CALIB_OFFSET = 2_000_000  # held-out document indices (the teacher uses 0.. and 1_000_000.. for geometry)

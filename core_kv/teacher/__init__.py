@@ -7,7 +7,9 @@
 - :mod:`~core_kv.teacher.solver`: ``p* = argmax −KL(p‖π_U) + λ F_cov(p)`` by damped mirror ascent (R0 = 8).
 - :mod:`~core_kv.teacher.metrics`: Table 5 residuals/agreement and Table 7 set quality.
 - :mod:`~core_kv.teacher.dataset`: safetensors shards + manifest, and the reader that refuses mismatches.
-- :mod:`~core_kv.teacher.run`: the entry point (``python -m core_kv.teacher --config ...``).
+- :mod:`~core_kv.teacher.config` (the typed config), :mod:`~core_kv.teacher.docs` (model and documents),
+  :mod:`~core_kv.teacher.run` (the collection; ``python -m core_kv.teacher --config ...``),
+  :mod:`~core_kv.teacher.report` (summary and text report).
 
 Shape legend: L layers, H query heads, Hkv KV heads, G = H / Hkv, D head dim, T tokens, N candidates at an
 event, M prototypes (64), d_z projected key dim (min(64, D)), F features (14).
