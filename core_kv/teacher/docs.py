@@ -14,6 +14,7 @@ from torch import nn
 from core_kv.features import (
     OBS_WINDOW,
 )
+from core_kv.models.loading import load_model as load_pretrained
 from core_kv.teacher.config import DataSpec, ModelSpec
 
 
@@ -26,7 +27,10 @@ class Doc:
 
 
 def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """The frozen model and its tokenizer: a pretrained one through :func:`core_kv.models.loading.load_model` (packaged
+    names resolved), or (``random_init``) a config-sized Llama seeded by ``spec_.seed``; ``tokenizer="build"`` builds
+    the proxy tokenizer, another path loads that tokenizer instead of the model's own."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from core_kv.models.packaged import resolve_model_path
 
@@ -40,7 +44,7 @@ def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
             "core_kv.proxy.train ...), or pass model.path=<HF folder or hub id>"
         )
     tok = None
-    tok_path = spec_.tokenizer or ("" if spec_.random_init else spec_.path)
+    tok_path = spec_.tokenizer  # "" = the model's own (loaded with it below; none for a random init)
     if tok_path == "build":
         from core_kv.proxy.train import build_proxy_tokenizer
 
@@ -61,10 +65,11 @@ def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
         cfg._attn_implementation = spec_.attn_implementation
         torch.manual_seed(spec_.seed)
         model = LlamaForCausalLM(cfg).to(dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            spec_.path, revision=spec_.revision or None, dtype=dtype, attn_implementation=spec_.attn_implementation
+    else:  # the adapter's loader: hub ids, local folders, packaged names, its error messages
+        model, own_tokenizer = load_pretrained(
+            spec_.path, dtype=dtype, attn_implementation=spec_.attn_implementation, revision=spec_.revision or None
         )
+        tok = tok if tok_path else own_tokenizer
     return model.to(device).eval(), tok
 
 
