@@ -311,6 +311,21 @@ class BasePress:
     def on_enter(self, model: nn.Module) -> None:
         """Per-model setup when the press is entered (e.g. checking a checkpoint matches the model)."""
 
+    def share_state(self, state: dict | None = None) -> None:
+        """Keep the per-layer bookkeeping (tokens seen, per-press extras) in ``state``; ``None`` starts it afresh.
+
+        A wrapper press that runs an inner press on its own hooks (AdaKV, TwinRepair) calls
+        ``inner.share_state(self_state)`` or ``inner.share_state()`` in its :meth:`on_enter`, instead of writing the
+        inner press's private fields.
+        """
+        self._state = {} if state is None else state
+
+    @property
+    def layer_state(self) -> dict:
+        """The per-layer bookkeeping, ``{layer_idx: {"seen": tokens, ...}}`` (read it, share it with
+        :meth:`share_state`)."""
+        return self._state
+
     @contextmanager
     def chunked_prefill(self):
         """Compress after every forward in this block (each chunk of a chunked prefill)."""
