@@ -50,8 +50,8 @@ NOUN = ("falcon", "river", "lantern", "meadow", "harbor", "compass", "orchid", "
 
 def build_prompts(tokenizer, wording: str, haystack: str, length: int, n: int, seed: int) -> list[dict]:
     """``n`` prompts of about ``length`` context tokens (the tokenizer counts), needle at a uniform random depth."""
-    from core_kv.eval.resources import essays_text
     from core_kv.eval.ruler import NOISE
+    from core_kv.resources import essays_text
 
     needle_t, question_t, prefix_t = WORDINGS[wording]
     rng = random.Random(f"{seed}-{wording}-{haystack}-{length}")

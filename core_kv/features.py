@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core_kv.io import atomic_write
-from core_kv.teacher.coverage import leverage, normalised_beta_b
+from core_kv.kernels import leverage, normalised_beta_b
 
 FEATURE_SPEC_VERSION = 1
 FEATURE_NAMES = (

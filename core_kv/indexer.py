@@ -24,7 +24,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-import core_kv.teacher  # noqa: F401  (loads teacher.coverage before features; avoids an import cycle)
 from core_kv.features import NUM_FEATURES, FeatureStats, spec
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
 from core_kv.teacher.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint

@@ -23,8 +23,8 @@ ENTRY_POINTS = [
     ("train.py", "file"),
     ("eval.py", "file"),
     ("core_kv.teacher", "module"),
-    ("core_kv.models.train_proxy", "module"),
-    ("core_kv.models.eval_proxy", "module"),
+    ("core_kv.proxy.train", "module"),
+    ("core_kv.proxy.evaluate", "module"),
     ("core_kv.eval.fidelity", "module"),
     ("scripts/kvpress_fidelity.py", "file"),
     *[(f"benchmarks/{p.name}", "file") for p in sorted((ROOT / "benchmarks").glob("*.py"))],
@@ -83,8 +83,8 @@ def _leaves(cls, prefix=""):
 CONFIG_ENTRY_POINTS = {
     "train.py": ("core_kv.distill.config", "TrainConfig"),
     "eval.py": ("core_kv.eval.runner", "EvalConfig"),
-    "core_kv.teacher": ("core_kv.teacher.run", "TeacherConfig"),
-    "core_kv.models.train_proxy": ("core_kv.models.train_proxy", "TrainConfig"),
+    "core_kv.teacher": ("core_kv.teacher.config", "TeacherConfig"),
+    "core_kv.proxy.train": ("core_kv.proxy.train", "ProxyTrainConfig"),
 }
 
 

@@ -77,8 +77,8 @@ def test_load_by_name_round_trips_fingerprint_and_tokenizer(smollm2):
 
 
 def test_teacher_model_spec_accepts_the_name(smollm2):
-    from core_kv.teacher.run import ModelSpec
-    from core_kv.teacher.run import load_model as teacher_load
+    from core_kv.teacher.config import ModelSpec
+    from core_kv.teacher.docs import load_model as teacher_load
 
     model, tok = teacher_load(ModelSpec(path=NAME), torch.device("cpu"))
     assert model_fingerprint(model) == SMOLLM2_FINGERPRINT and len(tok) == 49152
@@ -167,8 +167,8 @@ def test_fresh_conversion_reproduces_the_fingerprint_and_logits(tmp_path, smollm
 @pytest.mark.slow
 def test_smollm2_answers_a_fixed_needle_prompt(smollm2):
     """The real model retrieves a passkey from a 1k-token essay haystack with the full cache (chat template on)."""
-    from core_kv.eval.resources import essays_text
     from core_kv.pipeline import answer_questions
+    from core_kv.resources import essays_text
 
     model, tok = load_model(NAME, dtype="float32")
     words = essays_text().split()[:700]

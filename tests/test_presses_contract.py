@@ -1,4 +1,8 @@
-"""The press contract, checked for every registered press (``PRESSES``; none skipped) on tiny models built from config.
+"""The press contract, checked for every registered press (``PRESSES``) on tiny models built from config.
+
+CORE's presses (``core``, ``core_ea``, ``core_keydiff``) run from a small artifact fitted here to each tiny model (random
+indexer, fitted geometry), so every contract test checks them too; ``full`` never compresses and skips, with that
+reason, the tests about what a compression keeps.
 
 Budgets are exact per head (ratio and absolute forms; per-head sums for per-head methods), kept positions are the
 top-scored ones, protected positions survive, hooks always come off, ratio 0 and budgets >= the context change
@@ -17,10 +21,15 @@ import torch.nn.functional as F
 import transformers
 from transformers import DynamicCache
 
+from core_kv.distill.replay import capture
+from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa
 from core_kv.models.cache import HeadGroup, RaggedKV, RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.pipeline import greedy_answer, prefill
-from core_kv.presses import PRESSES, BasePress, build_press
+from core_kv.presses import PRESSES, BasePress
+from core_kv.presses import build_press as _build_press
+from core_kv.presses.core import CorePress
+from core_kv.teacher.geometry import fit_geometry, model_fingerprint
 
 NAMES = sorted(PRESSES)
 N_CTX = 200
@@ -41,6 +50,8 @@ ARCHS = {
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
 }
 _MODELS: dict = {}
+_ARTIFACTS: dict = {}
+CORE_NAMES = {name for name, cls in PRESSES.items() if issubclass(cls, CorePress)}
 
 
 def tiny(arch: str, eager: bool = False) -> torch.nn.Module:
@@ -57,12 +68,46 @@ def ids(n: int = N_CTX, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, COMMON["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _artifact_dir(tmp_path_factory):
+    _ARTIFACTS["dir"] = tmp_path_factory.mktemp("core_artifacts")
+    yield
+    _ARTIFACTS.clear()
+
+
+def core_artifact(arch: str) -> str:
+    """A CORE artifact fitted to ``tiny(arch)`` (geometry from one capture, untrained indexer), cached per arch."""
+    if arch not in _ARTIFACTS:
+        model = tiny(arch)
+        geo = fit_geometry([a.k_pre for a in capture(model, ids(300, seed=9))], model_fingerprint(model), d_z=8,
+                           num_prototypes=8)  # fmt: skip
+        core = CoreModel(CoreConfig.for_model(model, geo, protected_sinks=0, protected_recent=0))
+        core.set_geometry(geo)
+        path = _ARTIFACTS["dir"] / arch
+        core.save_pretrained(path)
+        _ARTIFACTS[arch] = str(path)
+    return _ARTIFACTS[arch]
+
+
+def build_press(name: str, arch: str = "llama", **options) -> BasePress:
+    """``core_kv.presses.build_press``, with CORE's presses given the artifact fitted to ``tiny(arch)`` when they
+    compress (their no-op form needs none)."""
+    if name in CORE_NAMES and (options.get("budget") is not None or options.get("compression_ratio", 0.0) != 0.0):
+        options = {"checkpoint": core_artifact(arch), **options}
+    return _build_press(name, **options)
+
+
 def can_compress(name: str) -> bool:
     try:
         build_press(name, compression_ratio=0.5)
     except ValueError:
         return False
     return True
+
+
+def skip_unless_compressing(name: str) -> None:
+    if not can_compress(name):
+        pytest.skip(f"{name} never compresses (compression_ratio must stay 0)")
 
 
 def model_for(press: BasePress, arch: str = "llama") -> torch.nn.Module:
@@ -105,8 +150,8 @@ def test_budget_exact_and_top_scored(name, form, arch):
     if not can_compress(name):
         with pytest.raises(ValueError):
             build_press(name, **form)
-        return
-    press = build_press(name, **form)
+        pytest.skip(f"{name} never compresses: refusing a budget is its contract")
+    press = build_press(name, arch, **form)
     model = model_for(press, arch)
     calls = record_selection(press)
     cache = prefill(model, ids(), press)
@@ -120,8 +165,8 @@ def test_budget_exact_and_top_scored(name, form, arch):
             assert per_head == [target] * hkv, f"layer {layer}: {per_head} != budget {target}"
         else:  # per-head budgets: the layer total is exact
             assert sum(per_head) == hkv * target and min(per_head) >= 1, f"layer {layer}: {per_head}"
-    if type(press).compress is not BasePress.compress:
-        return  # the press composes its own selection (e.g. a repair pass); the budget is what is contracted
+    if type(press).compress is not BasePress.compress or type(press)._post_hook is not BasePress._post_hook:
+        return  # the press composes its own selection (a repair pass, CORE's event); the budget above is the contract
     assert len(calls) == COMMON["num_hidden_layers"]
     for scores, kept, n_kept, _ in calls:
         rows = kept_rows(kept)
@@ -140,10 +185,10 @@ def test_budget_exact_and_top_scored(name, form, arch):
             assert scores[0][keep & ~safe].min() >= scores[0][~keep].max()
 
 
+@pytest.mark.filterwarnings("ignore:.*overrides the artifact's setting")  # CORE: protection given over the artifact's
 @pytest.mark.parametrize("name", NAMES)
 def test_protected_positions_kept(name):
-    if not can_compress(name):
-        return
+    skip_unless_compressing(name)
     protect = {"protected_sinks": 4, "protected_recent": 8}
     options = {"compression_ratio": 0.75, **protect}
     if "press_options" in {f.name for f in dataclasses.fields(PRESSES[name])}:
@@ -195,8 +240,8 @@ def test_ratio_zero_and_large_budget_are_noops(name):
     reference = answer(None)
     assert answer(build_press(name)) == reference
     if can_compress(name):
-        assert answer(build_press(name, budget=120)) == reference
-        assert answer(build_press(name, budget=10_000)) == reference
+        assert answer(build_press(name, "qwen3", budget=120)) == reference
+        assert answer(build_press(name, "qwen3", budget=10_000)) == reference
 
 
 BAD = {
@@ -325,14 +370,13 @@ def test_ragged_cache_question_matches_masked_dense_model():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_time_eviction_stays_within_budget_plus_slack(name):
-    if not can_compress(name):
-        return
+    skip_unless_compressing(name)
     budget, slack = 40, 8
     try:
-        press = build_press(name, budget=budget, decoding=True, decoding_slack=slack)
+        press = build_press(name, "qwen3", budget=budget, decoding=True, decoding_slack=slack)
     except ValueError as e:  # a press may declare decode-time eviction unsupported, but must say so
         assert "decoding" in str(e)
-        return
+        pytest.skip(f"{name} declares decode-time eviction unsupported: {e}")
     model = model_for(press, "qwen3")
     cache = DynamicCache()
     key = cache_kwarg(model)
@@ -355,15 +399,14 @@ def test_decode_time_eviction_stays_within_budget_plus_slack(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_chunked_prefill_keeps_the_budget(name):
-    if not can_compress(name):
-        return
+    skip_unless_compressing(name)
     press = build_press(name, budget=48)
     model = model_for(press)
     try:
         cache = prefill(model, ids(), press, chunk_size=64)
     except ValueError as e:  # a press may declare chunked prefill unsupported, but must say so
         assert "chunk" in str(e)
-        return
+        pytest.skip(f"{name} declares chunked prefill unsupported: {e}")
     hkv = COMMON["num_key_value_heads"]
     for layer, attn in zip(cache.layers, attention_modules(model), strict=True):
         lens = layer_lengths(layer)  # the last chunk (8 tokens) left 48 + 8 > 48 tokens: compressed back to 48
@@ -379,7 +422,7 @@ def test_chunked_prefill_keeps_the_budget(name):
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "phi3"])
 @pytest.mark.parametrize("name", NAMES)
 def test_other_families_smoke(name, arch):
-    press = build_press(name, compression_ratio=0.5) if can_compress(name) else build_press(name)
+    press = build_press(name, arch, compression_ratio=0.5) if can_compress(name) else build_press(name)
     model = tiny(arch, eager=bool(press.needs_attentions))
     cache = prefill(model, ids(96), press)
     per_head = kv_bytes(cache)["tokens_per_head"]
@@ -393,8 +436,7 @@ def test_other_families_smoke(name, arch):
 def test_nan_inputs_raise_for_every_press(name):
     """NaN hidden states never pass silently through a press, selection-only ones (streaming_llm, twinkv) included:
     the error names the press and the layer (issue 16)."""
-    if not can_compress(name):
-        pytest.skip(f"{name} needs a trained artifact (tests/test_core_press.py covers it)")
+    skip_unless_compressing(name)
     press = build_press(name, compression_ratio=0.5)
     model = model_for(press)
     emb = model.get_input_embeddings()

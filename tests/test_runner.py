@@ -286,9 +286,9 @@ def test_shipped_eval_yaml_loads(path):
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "proxy").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_proxy_yaml_loads(path):
-    from core_kv.models.train_proxy import TrainConfig
+    from core_kv.proxy.train import ProxyTrainConfig
 
-    cfg = load_config(TrainConfig, [str(path)])
+    cfg = load_config(ProxyTrainConfig, [str(path)])
     assert cfg.phases and all(p.min_len <= p.max_len for p in cfg.phases)
 
 

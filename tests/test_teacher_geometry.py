@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core_kv.teacher.coverage import rbf
+from core_kv.kernels import rbf
 from core_kv.teacher.geometry import FingerprintMismatch, Geometry, fit_geometry, spherical_kmeans
 
 

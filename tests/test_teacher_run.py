@@ -13,8 +13,9 @@ import torch
 from core_kv.config import load_config
 from core_kv.features import NUM_FEATURES
 from core_kv.teacher.__main__ import main
+from core_kv.teacher.config import TeacherConfig
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch
-from core_kv.teacher.run import TeacherConfig, event_times, load_model, make_docs
+from core_kv.teacher.docs import event_times, load_model, make_docs
 
 TINY = [
     "model.random_init=true",

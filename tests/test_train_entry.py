@@ -92,7 +92,8 @@ def reference(tmp_path_factory, teacher_dir) -> Path:
 
 def test_folder_listing_and_artifact(reference):
     from core_kv.indexer import CoreModel
-    from core_kv.teacher.run import ModelSpec, load_model
+    from core_kv.teacher.config import ModelSpec
+    from core_kv.teacher.docs import load_model
 
     assert sorted(p.name for p in (reference / "final").iterdir()) == ["config.json", "model.safetensors"]
     assert {"state", "stages", "final", "summary.json", "config.yaml"} <= {p.name for p in reference.iterdir()}

@@ -1,4 +1,4 @@
-"""The proxy-LM training loop (``core_kv.models.train_proxy``): resume equivalence, warm start, export.
+"""The proxy-LM training loop (``core_kv.proxy.train``): resume equivalence, warm start, export.
 
 A config-sized model (1 layer, hidden 32) and a 512-token tokenizer trained on the fly; 4 steps of 2-3 short
 sequences each, so the whole file runs in a few seconds on CPU.
@@ -13,10 +13,10 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from core_kv.models.train_proxy import TrainConfig, export, train
+from core_kv.proxy.train import ProxyTrainConfig, export, train
 
 
-def _cfg(out, **kw) -> TrainConfig:
+def _cfg(out, **kw) -> ProxyTrainConfig:
     base = dict(
         out_dir=str(out),
         export_dir=str(out / "export"),
@@ -37,7 +37,7 @@ def _cfg(out, **kw) -> TrainConfig:
     base["model"] = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
                      "intermediate_size": 64}  # fmt: skip
     base.update(kw)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), base))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ProxyTrainConfig), base))
 
 
 def _weights(ckpt) -> dict[str, torch.Tensor]:
@@ -65,7 +65,7 @@ def test_warm_start_keeps_weights_and_tokenizer_and_chains_the_log(straight, tmp
     out, _ = straight
     parent = export(_cfg(out))
     child_cfg = _cfg(tmp_path / "child", init_from=str(parent), total_steps=2, export_dir=str(tmp_path / "final"))
-    from core_kv.models.train_proxy import latest_checkpoint
+    from core_kv.proxy.train import latest_checkpoint
 
     # before any step the warm-started model is the parent (zero steps: only the start-up checkpoint is written)
     start = train(_cfg(tmp_path / "zero", init_from=str(parent), total_steps=0))
@@ -87,7 +87,7 @@ def test_warm_start_refuses_a_folder_without_tokenizer(tmp_path):
 
 
 def test_micro_batches_group_by_length_within_the_token_cap():
-    from core_kv.models.train_proxy import micro_batches
+    from core_kv.proxy.train import micro_batches
 
     lengths = [100, 900, 120, 480, 500, 3000, 110]
     groups = micro_batches(lengths, max_tokens=1000)
@@ -105,9 +105,9 @@ def test_micro_batched_step_equals_one_padded_batch(tmp_path):
     import torch.nn.functional as F
     from transformers import AutoTokenizer
 
-    from core_kv.models.proxy_data import Generator
-    from core_kv.models.train_proxy import (
-        ModelConfig,
+    from core_kv.proxy.data import Generator
+    from core_kv.proxy.train import (
+        ProxyModelConfig,
         RetrievalHead,
         build_model,
         build_proxy_tokenizer,
@@ -121,7 +121,7 @@ def test_micro_batched_step_equals_one_padded_batch(tmp_path):
     build_proxy_tokenizer(512, key_words=False).save_pretrained(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     torch.manual_seed(0)
-    model = build_model(ModelConfig(**OmegaConf.to_container(OmegaConf.structured(cfg.model))), tok)
+    model = build_model(ProxyModelConfig(**OmegaConf.to_container(OmegaConf.structured(cfg.model))), tok)
     model.config._attn_implementation = "eager"
     seqs = Generator(tok, seed=5).batch({"niah_single_1": 1, "mk_noise": 1, "copy": 1}, 60, 200, 1500)
     assert len({len(s.ids) for s in seqs}) > 1 and any(x >= 0 for s in seqs for x in s.src)
@@ -162,8 +162,8 @@ def test_micro_batched_step_equals_one_padded_batch(tmp_path):
 def test_answer_tokens_point_at_their_needle_tokens(tmp_path):
     from transformers import AutoTokenizer
 
-    from core_kv.models.proxy_data import Generator
-    from core_kv.models.train_proxy import build_proxy_tokenizer
+    from core_kv.proxy.data import Generator
+    from core_kv.proxy.train import build_proxy_tokenizer
 
     build_proxy_tokenizer(512, key_words=False, uuid_chars=True).save_pretrained(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
@@ -186,8 +186,8 @@ def test_answer_tokens_point_at_their_needle_tokens(tmp_path):
 def test_key_gather_targets_are_the_keys_last_token(tmp_path):
     from transformers import AutoTokenizer
 
-    from core_kv.models.proxy_data import Generator
-    from core_kv.models.train_proxy import build_proxy_tokenizer
+    from core_kv.proxy.data import Generator
+    from core_kv.proxy.train import build_proxy_tokenizer
 
     build_proxy_tokenizer(512, key_words=False).save_pretrained(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
@@ -235,3 +235,34 @@ def test_auxiliary_head_losses_are_trained_and_logged(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert all(r["attn_loss"] > 0 and r["gather_loss"] > 0 for r in rows)
     assert all(0 <= v <= 1 for r in rows for v in r["probe"].values())  # the periodic probe runs too
+
+
+def test_resume_state_is_stored_without_pickle(straight, tmp_path):
+    """The checkpoint holds safetensors + JSON only; the optimizer and RNG states round-trip exactly, and a checkpoint
+    of the older ``train_state.pt`` format still loads (with ``weights_only=True``)."""
+    import random
+
+    from core_kv.proxy.train import load_train_state, save_train_state
+
+    _, ckpt = straight
+    assert not [p.name for p in ckpt.iterdir() if p.suffix in (".pt", ".pkl", ".bin")]
+    assert (ckpt / "train_state.safetensors").is_file() and (ckpt / "train_state.json").is_file()
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    opt = torch.optim.AdamW([w], lr=1e-3, betas=(0.9, 0.95))
+    w.sum().backward()
+    opt.step()
+    rng, gen = random.Random(7), torch.Generator().manual_seed(3)
+    save_train_state(tmp_path, opt.state_dict(), rng.getstate(), torch.get_rng_state(), gen.get_state())
+    back = load_train_state(tmp_path)
+    want = opt.state_dict()
+    assert back["optimizer"]["param_groups"] == want["param_groups"]
+    for name, value in want["state"][0].items():
+        assert torch.equal(back["optimizer"]["state"][0][name], value), name
+    assert back["data_rng"] == rng.getstate()
+    assert torch.equal(back["loss_rng"], gen.get_state()) and torch.equal(back["torch_rng"], torch.get_rng_state())
+    opt.load_state_dict(back["optimizer"])  # accepted as is
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    torch.save({"optimizer": want, "data_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
+                "loss_rng": gen.get_state()}, legacy / "train_state.pt")  # fmt: skip
+    assert load_train_state(legacy)["data_rng"] == rng.getstate()

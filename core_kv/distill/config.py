@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core_kv.memory import WRITE_RULES
-from core_kv.teacher.run import DataSpec, ModelSpec, TeacherConfig
+from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
 
 
 def _proxy_teacher() -> TeacherConfig:
@@ -170,7 +170,3 @@ class TrainConfig:
             raise ValueError("wandb_mode must be offline, online or disabled")
         if self.stop_after < 0:
             raise ValueError("stop_after must be >= 0")
-
-    @property
-    def docs_per_step(self) -> str:
-        return f"{self.micro_batch} micro-batch x {self.grad_accum} accumulation x num_processes"

@@ -2,11 +2,11 @@
 
 A document is run once through the frozen base model; a forward pre-hook on every attention module captures the
 layer's pre-/post-RoPE queries and keys and its values (:func:`capture`). :func:`replay_layer` then replays the
-chunked prefill of that layer: events sit where the teacher puts them (:func:`core_kv.teacher.run.event_times`);
+chunked prefill of that layer: events sit where the teacher puts them (:func:`core_kv.teacher.docs.event_times`);
 at event ``t_e`` the candidates of KV head h are its retained set from the previous event plus the tokens that
 arrived since, the 14 features come from :func:`core_kv.features.compute_features` (with the persistence EMA
 carried across events), the indexer scores them, and the retained set is the protected tokens plus the top free
-picks under the budget ``B = floor(t_e (1 − ratio))`` (:func:`core_kv.teacher.metrics.budget_split`).
+picks under the budget ``B = floor(t_e (1 − ratio))`` (:func:`core_kv.budget.budget_split`).
 
 ``policy`` decides who picks the retained set: ``student`` (the indexer's Top-B: the DAgger-style on-policy
 replay of CORE.md stage 2), ``teacher`` (Top-B of p*: teacher forcing) or ``full`` (nothing is evicted; the
@@ -28,17 +28,17 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-import core_kv.teacher  # noqa: F401  (loads teacher.coverage before features; avoids an import cycle)
+from core_kv.budget import budget_split
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
 from core_kv.models.attention import _split_qkv, apply_rope, attention_modules, prerope_keys, prerope_queries
 from core_kv.teacher.geometry import Geometry
-from core_kv.teacher.metrics import budget_split, protected_mask, top_free
+from core_kv.teacher.metrics import protected_mask, top_free
 from core_kv.teacher.solver import solve_allocation
 from core_kv.teacher.utility import future_utility, normalise
 
@@ -106,17 +106,12 @@ def capture(model: nn.Module, ids: torch.Tensor, autocast=None) -> list[LayerAct
     handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(mods)]
     try:
         body = getattr(model, "model", model)
-        with autocast if autocast is not None else _null():
+        with autocast if autocast is not None else nullcontext():
             body(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
     return [acts[i] for i in range(len(mods))]
-
-
-@contextmanager
-def _null():
-    yield
 
 
 def future_queries(t_e: int, chunk: int, qa_start: int | None, t_len: int, qa_weight: float, device=None):

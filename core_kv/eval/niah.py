@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from core_kv.eval import resources
+from core_kv import resources
 from core_kv.eval.schema import Sample
 from core_kv.io import atomic_write
 

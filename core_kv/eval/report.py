@@ -171,7 +171,7 @@ def benchmark_plots(bench: Benchmark, entry: str, cells: list[dict], out_dir: Pa
 
     Per-cell figures need the cell's rows, read back from its ``predictions.jsonl``.
     """
-    from core_kv.eval.runner import cell_dir
+    from core_kv.eval.schema import cell_dir
     from core_kv.io import read_jsonl
 
     cells = [c for c in cells if c]

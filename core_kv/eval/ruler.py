@@ -45,14 +45,13 @@ from typing import Any
 
 import numpy as np
 
-from core_kv.eval import resources
+from core_kv import resources
 from core_kv.eval.schema import Sample
 from core_kv.io import atomic_write_jsonl, read_jsonl
 
 GENERATOR_VERSION = "ruler-head-c3f5e3b/1"
 """Bump when a change alters generated text; it is part of every cache key."""
 
-UPSTREAM_COMMIT = "c3f5e3b"
 
 # --- templates (upstream scripts/data/synthetic/constants.py, HEAD; benchmarks.md §1.2) ---------------------------
 

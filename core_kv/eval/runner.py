@@ -23,7 +23,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -45,9 +44,9 @@ from core_kv.eval.benchmarks import (
     GroupJob,
     get_benchmark,
 )
-from core_kv.eval.schema import Sample
+from core_kv.eval.schema import Sample, cell_dir
 from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
-from core_kv.models.loading import TINY, check_context_window, default_model, load_model, model_label
+from core_kv.models.loading import check_context_window, default_model, load_model, model_label
 from core_kv.presses.base import PRESSES, BasePress, build_press
 
 REFERENCE = "full"
@@ -206,21 +205,6 @@ class EvalResults:
 
 
 # ---------------------------------------------------------------------------------------------------- naming, spec
-def model_slug(name: str) -> str:
-    """Folder-safe model name: ``meta-llama/Llama-3.1-8B`` -> ``meta-llama--Llama-3.1-8B``; a local folder -> its name."""
-    if name == TINY:
-        return "tiny-random"
-    path = Path(name)
-    if path.is_dir():
-        return path.resolve().name
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name.replace("/", "--"))
-
-
-def cell_dir(output_dir: str | Path, benchmark: str, model: str, method: str, ratio: float) -> Path:
-    """``{output_dir}/{benchmark}__{model}__{method}__{ratio:.2f}`` (kvpress's layout)."""
-    return Path(output_dir) / f"{benchmark}__{model_slug(model)}__{method}__{ratio:.2f}"
-
-
 def group_by_context(samples: list[Sample]) -> list[list[int]]:
     """Sample indices grouped by identical context, groups in order of first appearance."""
     groups: dict[str, list[int]] = {}
@@ -288,10 +272,7 @@ def _build_press(cfg: EvalConfig, method: str, ratio: float) -> BasePress:
     kind = options.pop("kind", method)
     if kind == REFERENCE:
         return build_press(REFERENCE, **options)
-    # A press may declare which option the grid's ratio sets (kvpress sets head/threshold ratios per press type);
-    # the default is the common compression_ratio.
-    option = getattr(PRESSES[kind], "ratio_option", "compression_ratio")
-    return build_press(kind, **{option: ratio}, **options)
+    return build_press(kind, compression_ratio=ratio, **options)
 
 
 # ------------------------------------------------------------------------------------------------------ partial I/O

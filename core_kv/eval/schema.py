@@ -1,8 +1,12 @@
-"""The one row schema every benchmark yields."""
+"""The one row schema every benchmark yields, and the results-folder layout (one folder per cell)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from core_kv.models.loading import TINY
 
 
 @dataclass
@@ -38,3 +42,18 @@ class Sample:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def model_slug(name: str) -> str:
+    """Folder-safe model name: ``meta-llama/Llama-3.1-8B`` -> ``meta-llama--Llama-3.1-8B``; a local folder -> its name."""
+    if name == TINY:
+        return "tiny-random"
+    path = Path(name)
+    if path.is_dir():
+        return path.resolve().name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name.replace("/", "--"))
+
+
+def cell_dir(output_dir: str | Path, benchmark: str, model: str, method: str, ratio: float) -> Path:
+    """``{output_dir}/{benchmark}__{model}__{method}__{ratio:.2f}`` (kvpress's layout)."""
+    return Path(output_dir) / f"{benchmark}__{model_slug(model)}__{method}__{ratio:.2f}"

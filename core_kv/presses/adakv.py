@@ -60,7 +60,7 @@ class AdaKVPress(BasePress, name="adakv"):
         return self.press.needs_attentions
 
     def on_enter(self, model: nn.Module) -> None:
-        self.press._state = self._state  # the inner press sees the wrapper's per-layer bookkeeping
+        self.press.share_state(self.layer_state)  # the inner press sees the wrapper's per-layer bookkeeping
         self.press.on_enter(model)
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from core_kv.budget import kept_tokens, protected_split
 from core_kv.models.attention import decoder_layers, ragged_attention
 from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported, layer_lengths
 
@@ -134,12 +135,11 @@ class BasePress:
             raise ValueError("cannot compress an empty context")
         if self.budget is not None:
             return min(self.budget, n)
-        return max(1, min(n, math.floor(n * (1.0 - self.compression_ratio) + 1e-9)))
+        return kept_tokens(n, self.compression_ratio)
 
     def protected(self, n_kept: int) -> tuple[int, int]:
         """``(s, w)``: protected sinks and recent positions inside a budget of ``n_kept``."""
-        s = min(self.protected_sinks, n_kept)
-        return s, min(self.protected_recent, n_kept - s)
+        return protected_split(n_kept, self.protected_sinks, self.protected_recent)
 
     @property
     def is_noop(self) -> bool:
@@ -310,6 +310,21 @@ class BasePress:
 
     def on_enter(self, model: nn.Module) -> None:
         """Per-model setup when the press is entered (e.g. checking a checkpoint matches the model)."""
+
+    def share_state(self, state: dict | None = None) -> None:
+        """Keep the per-layer bookkeeping (tokens seen, per-press extras) in ``state``; ``None`` starts it afresh.
+
+        A wrapper press that runs an inner press on its own hooks (AdaKV, TwinRepair) calls
+        ``inner.share_state(self_state)`` or ``inner.share_state()`` in its :meth:`on_enter`, instead of writing the
+        inner press's private fields.
+        """
+        self._state = {} if state is None else state
+
+    @property
+    def layer_state(self) -> dict:
+        """The per-layer bookkeeping, ``{layer_idx: {"seen": tokens, ...}}`` (read it, share it with
+        :meth:`share_state`)."""
+        return self._state
 
     @contextmanager
     def chunked_prefill(self):

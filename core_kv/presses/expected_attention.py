@@ -13,7 +13,7 @@ from torch import nn
 
 from core_kv.models.attention import prerope_queries
 from core_kv.presses.base import ScorerPress
-from core_kv.presses.snapkv import head_lengths
+from core_kv.presses.window import head_lengths
 
 
 @dataclass

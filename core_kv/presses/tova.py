@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from core_kv.presses.base import ScorerPress
-from core_kv.presses.snapkv import head_lengths, window_attention
+from core_kv.presses.window import head_lengths, window_attention
 
 
 @dataclass

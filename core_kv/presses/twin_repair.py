@@ -173,7 +173,7 @@ class TwinRepairPress(BasePress, name="twin_repair"):
         return self.press.aux_bytes()
 
     def on_enter(self, model: nn.Module) -> None:
-        self.press._state = {}
+        self.press.share_state()
         self.press.on_enter(model)
 
     def compress(

@@ -225,7 +225,7 @@ class TwinKVPress(BasePress, name="twinkv"):
         lengths: torch.Tensor | None = None,
     ) -> Kept:
         b, h, n, _ = keys.shape
-        seen = self._state.get(getattr(module, "layer_idx", None), {}).get("seen", n)
+        seen = self.layer_state.get(getattr(module, "layer_idx", None), {}).get("seen", n)
         if seen != n or (lengths is not None and bool((lengths != n).any())):
             raise ValueError(
                 f"TwinKV compresses a whole prefix once (paper §4): this cache holds {n} of the {seen} tokens seen, "

@@ -2,21 +2,23 @@
 
 - :mod:`~core_kv.teacher.geometry`: per (layer, KV head) key projection and 64 fixed coverage prototypes.
 - :mod:`~core_kv.teacher.utility`: future-query utility ``π_U`` from full-cache attention.
-- :mod:`~core_kv.teacher.coverage`: Nyström features and the log-det coverage term with its leverage gradient.
+- :mod:`~core_kv.kernels` (on the floor, shared with :mod:`core_kv.features`): Nyström features and the log-det
+  coverage term with its leverage gradient.
 - :mod:`~core_kv.teacher.solver`: ``p* = argmax −KL(p‖π_U) + λ F_cov(p)`` by damped mirror ascent (R0 = 8).
 - :mod:`~core_kv.teacher.metrics`: Table 5 residuals/agreement and Table 7 set quality.
 - :mod:`~core_kv.teacher.dataset`: safetensors shards + manifest, and the reader that refuses mismatches.
-- :mod:`~core_kv.teacher.run`: the entry point (``python -m core_kv.teacher --config ...``).
+- :mod:`~core_kv.teacher.config` (the typed config), :mod:`~core_kv.teacher.docs` (model and documents),
+  :mod:`~core_kv.teacher.run` (the collection; ``python -m core_kv.teacher --config ...``),
+  :mod:`~core_kv.teacher.report` (summary and text report).
 
 Shape legend: L layers, H query heads, Hkv KV heads, G = H / Hkv, D head dim, T tokens, N candidates at an
 event, M prototypes (64), d_z projected key dim (min(64, D)), F features (14).
 
-Imports: the package namespace holds only the base stage (geometry, utility, coverage, solver), which never imports
-:mod:`core_kv.features`; :mod:`~core_kv.teacher.dataset` and :mod:`~core_kv.teacher.run` (import them by module
-path) compose the base stage with the shared feature definition.
+Imports (``docs/architecture.md``): the teacher sits above :mod:`core_kv.features` (the collection computes the
+features) and the kernel math on the floor; the namespace re-exports the base stage only.
 """
 
-from core_kv.teacher.coverage import coverage_logdet, leverage, nystrom_features
+from core_kv.kernels import coverage_logdet, leverage, nystrom_features
 from core_kv.teacher.geometry import Geometry, fit_geometry, model_fingerprint
 from core_kv.teacher.solver import solve_allocation
 from core_kv.teacher.utility import future_utility

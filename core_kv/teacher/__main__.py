@@ -8,7 +8,8 @@ from __future__ import annotations
 import sys
 
 from core_kv.config import load_config
-from core_kv.teacher.run import TeacherConfig, run_teacher
+from core_kv.teacher.config import TeacherConfig
+from core_kv.teacher.run import run_teacher
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from core_kv.io import atomic_write
+from core_kv.kernels import kmm_inverse_sqrt, nystrom_features
 from core_kv.models.attention import attention_modules, model_dims
-from core_kv.teacher.coverage import kmm_inverse_sqrt, nystrom_features
 
 GEOMETRY_VERSION = 1
 

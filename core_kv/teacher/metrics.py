@@ -19,18 +19,9 @@ Shapes: H heads (batch), N candidates, M prototypes.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from core_kv.teacher.coverage import coverage_logdet
-
-
-def budget_split(n: int, ratio: float, sinks: int, recent: int) -> tuple[int, int, int]:
-    """``(B, s, w)``: tokens kept per head, protected sinks and protected recent tokens, for ``n`` candidates."""
-    b = max(1, min(n, math.floor(n * (1.0 - ratio) + 1e-9)))
-    s = min(sinks, b)
-    return b, s, min(recent, b - s)
+from core_kv.kernels import coverage_logdet
 
 
 def protected_mask(n: int, s: int, w: int, device=None) -> torch.Tensor:

@@ -14,9 +14,8 @@ Capture. A forward pre-hook on each attention module receives the layer input an
 are processed inside the hook with the family helpers of :mod:`core_kv.models.attention`, then dropped, so memory
 stays at one layer's Q/K/V. Hook time is timed apart from the forward.
 
-Import note: ``core_kv.teacher.{coverage,solver,utility,geometry,metrics}`` are the base stage and import nothing
-above them; this runner and :mod:`core_kv.teacher.dataset` compose them with :mod:`core_kv.features` (the one
-feature definition shared with training and the press).
+Layout: the config is :mod:`core_kv.teacher.config`, the model and documents :mod:`core_kv.teacher.docs`, the
+summary and text report :mod:`core_kv.teacher.report`; this module is the collection and the manifest merge.
 
 Shapes: T document length, H query heads, Hkv KV heads, G = H/Hkv, D head dim, N candidates at an event.
 """
@@ -24,11 +23,8 @@ Shapes: T document length, H query heads, Hkv KV heads, G = H/Hkv, D head dim, N
 from __future__ import annotations
 
 import json
-import math
-import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
+from core_kv.budget import budget_split
 from core_kv.config import to_dict
 from core_kv.features import (
     FEATURE_NAMES,
@@ -48,6 +45,7 @@ from core_kv.features import (
     spec,
 )
 from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
+from core_kv.kernels import normalised_beta_b
 from core_kv.models.attention import (
     _split_qkv,
     apply_rope,
@@ -56,11 +54,11 @@ from core_kv.models.attention import (
     prerope_keys,
     prerope_queries,
 )
-from core_kv.teacher.coverage import normalised_beta_b
+from core_kv.teacher.config import TeacherConfig
 from core_kv.teacher.dataset import FORMAT, MANIFEST, ShardWriter, TeacherRecord, config_hash
+from core_kv.teacher.docs import Doc, event_times, load_model, make_docs
 from core_kv.teacher.geometry import Geometry, fit_geometry, model_fingerprint
 from core_kv.teacher.metrics import (
-    budget_split,
     free_overlap,
     greedy_select,
     protected_mask,
@@ -68,253 +66,9 @@ from core_kv.teacher.metrics import (
     set_quality,
     top_free,
 )
+from core_kv.teacher.report import format_report, summarise
 from core_kv.teacher.solver import solve_allocation
 from core_kv.teacher.utility import future_utility, normalise
-
-PROXY_MIX = {
-    "niah_single_1": 0.1,
-    "niah_single_2": 0.15,
-    "niah_multikey_1": 0.15,
-    "niah_multikey_2": 0.1,
-    "niah_multivalue": 0.1,
-    "niah_multiquery": 0.1,
-    "mk_noise": 0.05,
-    "vt": 0.05,
-    "lm": 0.2,
-}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Config
-
-
-@dataclass
-class ModelSpec:
-    """The frozen base model: a Hugging Face folder/hub id, or (``random_init``) a config-built Llama."""
-
-    path: str = "checkpoints/proxy-lm"
-    revision: str = ""
-    tokenizer: str = ""  # "" = path; "build" = build the proxy tokenizer in code
-    random_init: bool = False
-    seed: int = 0
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
-    vocab_size: int = 512
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"
-
-
-@dataclass
-class DataSpec:
-    """Teacher documents. ``proxy``: the proxy LM's RULER-style generator + essays; ``random``: random tokens
-    (tests); ``hf``: a Hugging Face dataset (``context_field`` + ``answer_field``, e.g. LongAlpaca-12k)."""
-
-    source: str = "proxy"
-    num_docs: int = 16
-    calib_docs: int = 8
-    calib_keys: int = 16384  # pre-RoPE keys per head kept for the geometry fit
-    min_len: int = 1536
-    max_len: int = 2048
-    seed: int = 20261130  # never 42 (RULER's evaluation seed)
-    mix: dict[str, float] = field(default_factory=lambda: dict(PROXY_MIX))
-    question_tokens: int = 48  # tokens before the first answer token counted as the question
-    hf_dataset: str = "Yukang/LongAlpaca-12k"
-    hf_split: str = "train"
-    hf_context_field: str = "instruction"
-    hf_answer_field: str = "output"
-
-
-@dataclass
-class TeacherConfig:
-    """Everything a teacher run depends on; YAML files in ``configs/teacher/`` override these defaults."""
-
-    out_dir: str = "runs/teacher/default"
-    model: ModelSpec = field(default_factory=ModelSpec)
-    data: DataSpec = field(default_factory=DataSpec)
-    chunk_size: int = 512
-    qa_weight: float = 0.5
-    lam: float = 2.0
-    steps: int = 8  # R0 [paper Table 5]
-    ref_steps: int = 16  # Table 5 reference
-    eta: str = "auto"  # "auto" or a number in (0, 1]
-    ratios: list[float] = field(default_factory=lambda: [0.75, 0.9])
-    protected_sinks: int = 4
-    protected_recent: int = 32
-    d_z: int = 64
-    num_prototypes: int = 64
-    geometry_path: str = ""  # "" = <out_dir>/geometry.safetensors (fitted if absent)
-    metrics: bool = True
-    metrics_docs: int = -1  # Table 5/7 on documents with index < this only (-1: all); the greedy is O(B·N·M)
-    records_per_shard: int = 256
-    feature_dtype: str = "float16"
-    threads: int = 1  # >0: torch.set_num_threads (1 is fastest on shared CPUs; 0 = leave it)
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.data.seed == 42:
-            raise ValueError("data.seed 42 is RULER's evaluation seed; teacher documents must use another one")
-        if self.eta != "auto":
-            e = float(self.eta)
-            if not 0 < e <= 1:
-                raise ValueError(f"eta must be 'auto' or in (0, 1], got {self.eta}")
-        if self.lam < 0:
-            raise ValueError(f"lam must be >= 0, got {self.lam}")
-        if not 0 <= self.qa_weight <= 1:
-            raise ValueError(f"qa_weight must be in [0, 1], got {self.qa_weight}")
-        if not self.ratios or any(not 0 <= r < 1 for r in self.ratios):
-            raise ValueError(f"ratios must be compression ratios in [0, 1), got {self.ratios}")
-        if self.steps < 1 or self.ref_steps < self.steps:
-            raise ValueError("need 1 <= steps <= ref_steps")
-        if self.data.source not in ("proxy", "random", "hf"):
-            raise ValueError(f"data.source must be proxy, random or hf, got {self.data.source!r}")
-        if self.chunk_size <= OBS_WINDOW:
-            raise ValueError(f"chunk_size must exceed the observation window ({OBS_WINDOW})")
-        if self.feature_dtype not in ("float16", "float32"):
-            raise ValueError("feature_dtype must be float16 or float32")
-        counts = [(f"data.{k}", getattr(self.data, k), 1) for k in ("num_docs", "calib_docs", "calib_keys", "min_len")]
-        counts += [(k, getattr(self, k), 1) for k in ("records_per_shard", "d_z", "num_prototypes")]
-        counts += [(k, getattr(self, k), 0) for k in ("protected_sinks", "protected_recent", "threads")]
-        counts += [("data.question_tokens", self.data.question_tokens, 0)]
-        for name, v, low in counts:
-            if isinstance(v, bool) or v < low:
-                raise ValueError(f"{name} must be >= {low}, got {v!r}")
-        if self.data.source != "hf" and self.data.max_len < self.data.min_len:  # hf rows have natural lengths
-            raise ValueError(f"data.max_len ({self.data.max_len}) must be >= data.min_len ({self.data.min_len})")
-        if self.metrics_docs < -1 or self.metrics_docs == 0:
-            raise ValueError(f"metrics_docs must be -1 (all documents) or >= 1, got {self.metrics_docs}")
-
-    @property
-    def eta_value(self) -> float | str:
-        return "auto" if self.eta == "auto" else float(self.eta)
-
-    def teacher_params(self) -> dict:
-        """What the allocations depend on besides the model and the documents (recorded in the manifest)."""
-        return {
-            "lam": self.lam,
-            "steps": self.steps,
-            "eta": self.eta,
-            "beta": "normalised: beta*B = 1/mean|Phi|^2",
-            "chunk_size": self.chunk_size,
-            "qa_weight": self.qa_weight,
-            "question_tokens": self.data.question_tokens,
-            "ratios": list(self.ratios),
-            "protected_sinks": self.protected_sinks,
-            "protected_recent": self.protected_recent,
-            "d_z": self.d_z,
-            "num_prototypes": self.num_prototypes,
-            "candidates": "full cache (all tokens before the event)",
-        }
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Model and documents
-
-
-@dataclass
-class Doc:
-    index: int
-    ids: list[int]
-    qa_start: int | None  # first token of the question/answer tail, None for plain text
-    kind: str
-
-
-def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from core_kv.models.packaged import resolve_model_path
-
-    dtype = getattr(torch, spec_.dtype)
-    if not spec_.random_init:
-        spec_ = replace(spec_, path=resolve_model_path(spec_.path), tokenizer=resolve_model_path(spec_.tokenizer))
-    local = spec_.path.startswith(("checkpoints/", "runs/", "./", "/"))
-    if not spec_.random_init and local and not Path(spec_.path).is_dir():
-        raise FileNotFoundError(
-            f"model.path {spec_.path} does not exist: train/export the proxy LM first (python -m "
-            "core_kv.models.train_proxy ...), or pass model.path=<HF folder or hub id>"
-        )
-    tok = None
-    tok_path = spec_.tokenizer or ("" if spec_.random_init else spec_.path)
-    if tok_path == "build":
-        from core_kv.models.train_proxy import build_proxy_tokenizer
-
-        tok = build_proxy_tokenizer()
-    elif tok_path:
-        tok = AutoTokenizer.from_pretrained(tok_path, revision=spec_.revision or None)
-    if spec_.random_init:
-        vocab = max(spec_.vocab_size, 64 * math.ceil(len(tok) / 64) if tok is not None else 0)
-        cfg = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=spec_.hidden_size,
-            num_hidden_layers=spec_.num_layers,
-            num_attention_heads=spec_.num_heads,
-            num_key_value_heads=spec_.num_kv_heads,
-            intermediate_size=spec_.intermediate_size,
-            max_position_embeddings=8192,
-        )
-        cfg._attn_implementation = spec_.attn_implementation
-        torch.manual_seed(spec_.seed)
-        model = LlamaForCausalLM(cfg).to(dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            spec_.path, revision=spec_.revision or None, dtype=dtype, attn_implementation=spec_.attn_implementation
-        )
-    return model.to(device).eval(), tok
-
-
-def make_docs(data: DataSpec, indices: list[int], tokenizer) -> list[Doc]:
-    """Deterministic documents by global index: the same index gives the same document in any process split."""
-    if data.source == "random":
-        out = []
-        for i in indices:
-            g = torch.Generator().manual_seed(data.seed * 1000 + i)
-            n = int(torch.randint(data.min_len, data.max_len + 1, (1,), generator=g))
-            ids = torch.randint(3, 500, (n,), generator=g).tolist()
-            qa = n - 24 if i % 2 else None
-            out.append(Doc(i, ids, qa, "random_qa" if qa else "random"))
-        return out
-    if data.source == "hf":
-        import datasets
-
-        ds = datasets.load_dataset(data.hf_dataset, split=data.hf_split)
-        out = []
-        for i in indices:
-            row = ds[i % len(ds)]
-            ctx = tokenizer(row[data.hf_context_field], add_special_tokens=True)["input_ids"]
-            ans = tokenizer(row[data.hf_answer_field], add_special_tokens=False)["input_ids"]
-            ans = ans[:512]
-            room = max(data.max_len - len(ans), 2 * data.question_tokens)
-            if len(ctx) > room:  # middle truncation (as LongBench does): keep the head and the question at the end
-                ctx = ctx[: room // 2] + ctx[len(ctx) - (room - room // 2) :]
-            qa = max(len(ctx) - data.question_tokens, 1)
-            out.append(Doc(i, ctx + ans, qa, "hf"))
-        return out
-    from core_kv.models.proxy_data import Generator
-
-    gen = Generator(tokenizer, seed=data.seed)
-    names, weights = zip(*sorted(data.mix.items()), strict=True)
-    out = []
-    for i in indices:
-        rng = random.Random(data.seed * 1000 + i)
-        task, length = rng.choices(names, weights)[0], rng.randint(data.min_len, data.max_len)
-        gen.rng = random.Random(data.seed * 1000 + i + 1)
-        seq = gen.sample(task, length)
-        first = next((j for j, a in enumerate(seq.ans) if a > 0), None)
-        qa = None if first is None else max(first - data.question_tokens, 1)
-        out.append(Doc(i, seq.ids, qa, task))
-    return out
-
-
-def event_times(n: int, qa_start: int | None, chunk: int) -> list[int]:
-    """Event times t_e (number of cached tokens): chunk boundaries inside the context, plus the context end."""
-    end = n if qa_start is None else qa_start
-    times = list(range(chunk, end, chunk))
-    if qa_start is not None and end > OBS_WINDOW and (not times or times[-1] != end):
-        times.append(end)
-    return times
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Geometry
@@ -507,120 +261,6 @@ def _hooks(cfg, model, doc, geometry, rec, writer):
         return fn
 
     return [m.register_forward_pre_hook(make(i), with_kwargs=True) for i, m in enumerate(attention_modules(model))]
-
-
-def summarise(cfg: TeacherConfig, t: dict[str, torch.Tensor], times: dict, tokens: int, events: int, dims) -> dict:
-    """Table 5, Table 7 and throughput from merged samples."""
-
-    def stats(x):
-        return {"median": float(x.median()), "p90": float(x.quantile(0.9)), "mean": float(x.mean()), "n": x.numel()}
-
-    s = {k[2:]: v for k, v in t.items() if k.startswith("s.")}
-    out: dict = {"model_layers": dims["layers"], "kv_heads": dims["kv_heads"]}
-    if s:
-        r0, rr = cfg.steps, cfg.ref_steps
-        t5 = {
-            "1": {"e_R": stats(s["e_1"])},
-            str(r0): {"e_R": stats(s[f"e_{r0}"])},
-            str(rr): {f"e_R_vs_{2 * rr}": stats(s[f"e_{rr}_vs_{2 * rr}"])},
-        }
-        for r in cfg.ratios:
-            tag = f"r{round(100 * r)}"
-            if f"overlap_1.{tag}" in s:
-                t5["1"][f"overlap.{tag}"] = float(s[f"overlap_1.{tag}"].mean())
-                t5[str(r0)][f"overlap.{tag}"] = float(s[f"overlap_{r0}.{tag}"].mean())
-        out["table5"] = t5
-        out["tv_pstar_piu"] = stats(s["tv_pstar_piu"])
-        t7 = {}
-        for r in cfg.ratios:
-            tag = f"r{round(100 * r)}"
-            rows = {}
-            for name in ("utility", "teacher", "greedy"):
-                if f"U.{tag}.{name}" in s:
-                    u, c = s[f"U.{tag}.{name}"], s[f"C.{tag}.{name}"]
-                    rows[name] = {"U_B": float(u.mean()), "C_B": float(c.mean()), "J_B": float((u + c).mean())}
-            t7[tag] = rows
-        out["table7"] = t7
-    wall = times.get("_wall", 0.0)
-    hooks = times.get("_in_hooks", 0.0)
-    forward = times.get("_forward_total", 0.0) - hooks
-    parts = {k: v for k, v in times.items() if not k.startswith("_")}
-    production = forward + sum(v for k, v in parts.items() if k != "metrics")
-    out["throughput"] = {
-        "tokens": tokens,
-        "events_x_layers": events,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall if wall else float("nan"),
-        "tokens_per_s_per_layer": tokens * dims["layers"] / wall if wall else float("nan"),
-        "tokens_per_s_without_metrics": tokens / production if production else float("nan"),
-        "seconds": {"forward": forward, **parts},
-        "share_without_metrics": {k: v / production for k, v in {"forward": forward, **parts}.items() if k != "metrics"}
-        if production
-        else {},
-    }
-    return out
-
-
-def format_report(cfg: TeacherConfig, m: dict, model_name: str) -> str:
-    lines = [f"CORE teacher (stage 1) — model {model_name}, lambda={cfg.lam}, eta={cfg.eta}, R0={cfg.steps}"]
-    if "table5" in m:
-        t5 = m["table5"]
-        lines.append("Table 5 (residual e_R = 1/2|p^(R) - p^(16)|_1; Top-B agreement with R=16 on the free picks)")
-        tags = [f"r{round(100 * r)}" for r in cfg.ratios]
-        lines.append(
-            f"  {'R':>4} {'median e_R':>12} {'P90 e_R':>12} " + " ".join(f"{'overlap@' + t:>12}" for t in tags)
-        )
-        for r in ("1", str(cfg.steps)):
-            e = t5[r]["e_R"]
-            ov = " ".join(f"{100 * t5[r].get('overlap.' + t, float('nan')):11.2f}%" for t in tags)
-            lines.append(f"  {r:>4} {e['median']:12.3e} {e['p90']:12.3e} {ov}")
-        e = t5[str(cfg.ref_steps)][f"e_R_vs_{2 * cfg.ref_steps}"]
-        lines.append(f"  {cfg.ref_steps:>4} {e['median']:12.3e} {e['p90']:12.3e}   (vs R={2 * cfg.ref_steps}; ref.)")
-        lines.append("Table 7 (U_B = kept utility mass, C_B = logdet coverage of the kept set, J_B = U_B + C_B)")
-        for tag, rows in m["table7"].items():
-            for name, v in sorted(rows.items(), key=lambda kv: ("utility", "teacher", "greedy").index(kv[0])):
-                lines.append(f"  {tag:>4} {name:>8}  U_B {v['U_B']:.4f}  C_B {v['C_B']:.4f}  J_B {v['J_B']:.4f}")
-        lines.append(f"TV(p*, pi_U): median {m['tv_pstar_piu']['median']:.4f}")
-    th = m["throughput"]
-    lines.append(
-        f"Throughput: {th['tokens']} tokens, {th['tokens_per_s']:.1f} tok/s, {th['tokens_per_s_per_layer']:.1f} "
-        f"tok/s per layer (x layers), {th['tokens_per_s_without_metrics']:.1f} tok/s without the Table 5/7 metrics"
-    )
-    lines.append(
-        "  time share without metrics: "
-        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in th["share_without_metrics"].items())
-    )
-    return "\n".join(lines)
-
-
-def format_markdown(metrics: dict, ratios: list[float], steps: int = 8, ref_steps: int = 16) -> str:
-    """Table 5, Table 7 and throughput of a run's ``metrics.json`` as markdown (for ``docs/results.md``)."""
-    tags = [f"r{round(100 * r)}" for r in ratios]
-    t5, t7, th = metrics["table5"], metrics["table7"], metrics["throughput"]
-    out = ["| R | median e_R | P90 e_R | " + " | ".join(f"Top-B agreement @{t[1:]}%" for t in tags) + " |",
-           "|---|---|---|" + "---|" * len(tags)]  # fmt: skip
-    for r in ("1", str(steps)):
-        e = t5[r]["e_R"]
-        ov = " | ".join(f"{100 * t5[r].get('overlap.' + t, float('nan')):.2f}%" for t in tags)
-        out.append(f"| {r} | {e['median']:.2e} | {e['p90']:.2e} | {ov} |")
-    e = t5[str(ref_steps)][f"e_R_vs_{2 * ref_steps}"]
-    out.append(f"| {ref_steps} (vs {2 * ref_steps}) | {e['median']:.2e} | {e['p90']:.2e} | " + "ref. | " * len(tags))
-    out += ["", "| removal | selector | U_B | C_B | J_B |", "|---|---|---|---|---|"]
-    for tag in tags:
-        for name in ("utility", "teacher", "greedy"):
-            if name not in t7.get(tag, {}):
-                continue
-            v = t7[tag][name]
-            out.append(f"| {tag[1:]}% | {name} | {v['U_B']:.4f} | {v['C_B']:.4f} | {v['J_B']:.4f} |")
-    share = ", ".join(f"{k} {100 * v:.1f}%" for k, v in th["share_without_metrics"].items())
-    out += [
-        "",
-        f"Throughput: {th['tokens']} tokens in {th['wall_s']:.0f} s wall = {th['tokens_per_s']:.0f} tokens/s, "
-        f"{th['tokens_per_s_per_layer']:.0f} token-layers/s (with the Table 5/7 diagnostics); "
-        f"{th['tokens_per_s_without_metrics']:.0f} tokens/s for the dataset alone. Time shares without the "
-        f"diagnostics: {share}.",
-    ]
-    return "\n".join(out)
 
 
 def run_teacher(cfg: TeacherConfig) -> dict:

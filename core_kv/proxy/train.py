@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m core_kv.models.train_proxy --config configs/proxy/default.yaml [a.b=v ...]
-    python -m core_kv.models.train_proxy --config configs/proxy/default.yaml mode=export   # run dir -> checkpoints/
+    python -m core_kv.proxy.train --config configs/proxy/default.yaml [a.b=v ...]
+    python -m core_kv.proxy.train --config configs/proxy/default.yaml mode=export   # run dir -> checkpoints/
 
 The recipe is the measured one of ``shared/research/proxy_feasibility.md``: single-digit tokens, a very short dense
 first phase, answer loss x3, random needle digits masked from the LM loss, accuracy-driven phase advance, lr 2e-3,
@@ -53,7 +53,7 @@ FULL_MIX = {
 
 
 @dataclass
-class ModelConfig:
+class ProxyModelConfig:
     """Llama shape; ``vocab_size`` comes from the tokenizer."""
 
     hidden_size: int = 192
@@ -70,8 +70,8 @@ class ModelConfig:
 class Phase:
     """One curriculum phase: lengths drawn uniformly from ``[min_len, max_len]`` tokens.
 
-    The phase ends when the running exact match of ``TrainConfig.advance_tasks`` reaches ``advance_em`` after
-    ``min_steps`` steps, or after ``max_steps`` steps; the last phase runs to ``TrainConfig.total_steps``.
+    The phase ends when the running exact match of ``ProxyTrainConfig.advance_tasks`` reaches ``advance_em`` after
+    ``min_steps`` steps, or after ``max_steps`` steps; the last phase runs to ``ProxyTrainConfig.total_steps``.
     """
 
     min_len: int = 48
@@ -86,7 +86,7 @@ class Phase:
 
 
 @dataclass
-class TrainConfig:
+class ProxyTrainConfig:
     """Everything a run depends on; ``configs/proxy/default.yaml`` overrides these defaults."""
 
     mode: str = "train"  # train | export
@@ -97,9 +97,9 @@ class TrainConfig:
     probe_seed: int = 777  # fixed probe prompts for the periodic evaluation
     base_vocab: int = 4096  # BPE size before the key-word merges
     key_word_tokens: bool = True  # False: plain BPE of base_vocab tokens (feasibility recipe), keys split into pieces
-    uuid_chars: bool = False  # one token per UUID character (proxy_tokenizer)
+    uuid_chars: bool = False  # one token per UUID character (core_kv.proxy.tokenizer)
     key_sentences: int | None = None  # needle sentences in the BPE corpus; None = one per noun
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ProxyModelConfig = field(default_factory=ProxyModelConfig)
     phases: list[Phase] = field(default_factory=lambda: [Phase()])
     total_steps: int = 3000
     lr: float = 2e-3
@@ -152,10 +152,10 @@ class TrainConfig:
 def build_proxy_tokenizer(
     base_vocab: int = 4096, key_words: bool = True, uuid_chars: bool = False, key_sentences: int | None = None
 ):
-    """The proxy tokenizer trained on the training essays only (see ``proxy_tokenizer``)."""
-    from core_kv.eval.resources import essay_files, words
-    from core_kv.models.proxy_data import held_out_essays
-    from core_kv.models.proxy_tokenizer import build_tokenizer, default_corpus
+    """The proxy tokenizer trained on the training essays only (see :mod:`core_kv.proxy.tokenizer`)."""
+    from core_kv.proxy.data import held_out_essays
+    from core_kv.proxy.tokenizer import build_tokenizer, default_corpus
+    from core_kv.resources import essay_files, words
 
     held = held_out_essays()
     essays = [f.read_text(encoding="utf-8") for f in essay_files() if f.stem not in held]
@@ -164,7 +164,7 @@ def build_proxy_tokenizer(
     return build_tokenizer(corpus, adjs, nouns, base_vocab=base_vocab, key_words=key_words, uuid_chars=uuid_chars)
 
 
-def build_model(cfg: ModelConfig, tokenizer):
+def build_model(cfg: ProxyModelConfig, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = 64 * math.ceil(len(tokenizer) / 64)
@@ -246,7 +246,7 @@ class RetrievalHead:
     softmax of its post-RoPE ``q.k * scaling``, exactly what SDPA computes) with a target position per supervised
     query, from the ``Sequence`` field ``target``:
 
-    - ``src`` (the retrieval head, ``TrainConfig.attn_weight``): at every answer token that copies a needle value,
+    - ``src`` (the retrieval head, ``ProxyTrainConfig.attn_weight``): at every answer token that copies a needle value,
       the copied context token. Real LMs retrieve through such heads (sparse "retrieval heads" that attend to the
       token being copied); supervising one makes the circuit appear without a long plateau.
     - ``qsrc`` / ``nsrc`` (key gathering, ``Phase.gather_weight``): at an answer token, the last token of its key in
@@ -326,7 +326,7 @@ def loss_sums(model, ids, keep, ans, bf16: bool, targets: dict | None = None, he
 
 
 def train_step_loss(
-    model, seqs, pad_id: int, cfg: TrainConfig, gen: torch.Generator, max_tokens: int, heads: tuple = ()
+    model, seqs, pad_id: int, cfg: ProxyTrainConfig, gen: torch.Generator, max_tokens: int, heads: tuple = ()
 ):
     """Forward and backward of one step in length-bucketed micro-batches (gradients accumulate in ``.grad``).
 
@@ -359,7 +359,7 @@ def train_step_loss(
     return lm_tot, ans_tot, head_tot, em
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: ProxyTrainConfig) -> float:
     """Warmup-stable-decay: linear warmup, constant peak, then linear decay to ``min_lr_ratio`` of the peak over the
     last ``decay_fraction`` of ``total_steps``. Unlike a cosine, ``total_steps`` can be raised on resume (while the
     run is still in the stable part) without changing the steps already taken."""
@@ -391,8 +391,8 @@ def probe(model, probes: dict[str, list], bf16: bool) -> dict[str, float]:
     return out
 
 
-def make_probes(tokenizer, cfg: TrainConfig) -> dict[str, list]:
-    from core_kv.models.proxy_data import Generator
+def make_probes(tokenizer, cfg: ProxyTrainConfig) -> dict[str, list]:
+    from core_kv.proxy.data import Generator
 
     gen = Generator(tokenizer, seed=cfg.probe_seed, kvpress_newline=0.0)
     return {
@@ -404,21 +404,71 @@ def make_probes(tokenizer, cfg: TrainConfig) -> dict[str, list]:
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------
 def save_checkpoint(out: Path, model, opt, state: dict, gen_state, torch_gen: torch.Generator) -> None:
-    """Write ``ckpt.tmp`` fully, then swap it in for ``ckpt`` (the old one is kept as ``ckpt.old`` until then)."""
+    """Write ``ckpt.tmp`` fully, then swap it in for ``ckpt`` (the old one is kept as ``ckpt.old`` until then).
+
+    The training state is stored without pickle: its tensors (optimizer moments, both torch RNG states) in
+    ``train_state.safetensors``, the rest (optimizer hyperparameters, the data generator's Python RNG) in
+    ``train_state.json``.
+    """
     tmp, final = out / "ckpt.tmp", out / "ckpt"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    torch.save(
-        {
-            "optimizer": opt.state_dict(),
-            "data_rng": gen_state,
-            "torch_rng": torch.get_rng_state(),
-            "loss_rng": torch_gen.get_state(),
-        },
-        tmp / "train_state.pt",
-    )
+    save_train_state(tmp, opt.state_dict(), gen_state, torch.get_rng_state(), torch_gen.get_state())
     atomic_write_json(tmp / "state.json", state)
     swap_in(tmp, final)
+
+
+def save_train_state(folder: Path, optimizer: dict, data_rng: tuple, torch_rng: torch.Tensor, loss_rng: torch.Tensor):
+    """``optimizer`` (a ``state_dict``) and the three RNG states as safetensors + JSON (no pickle)."""
+    from safetensors.torch import save_file
+
+    tensors = {"torch_rng": torch_rng, "loss_rng": loss_rng}
+    per_param: dict[str, dict] = {}
+    for idx, slots in optimizer["state"].items():
+        per_param[str(idx)] = {}
+        for name, value in slots.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{idx}.{name}"] = value.contiguous()
+                per_param[str(idx)][name] = None  # stored as a tensor
+            else:
+                per_param[str(idx)][name] = value
+    save_file(tensors, str(folder / "train_state.safetensors"))
+    version, internal, gauss = data_rng
+    meta = {"param_groups": optimizer["param_groups"], "state": per_param, "data_rng": [version, list(internal), gauss]}
+    atomic_write_json(folder / "train_state.json", meta)
+
+
+def load_train_state(folder: Path) -> dict:
+    """Inverse of :func:`save_train_state`: ``{"optimizer", "data_rng", "torch_rng", "loss_rng"}``.
+
+    A checkpoint written before the pickle-free format (``train_state.pt``) is read with ``weights_only=True``.
+    """
+    from safetensors.torch import load_file
+
+    if not (folder / "train_state.json").is_file() and (folder / "train_state.pt").is_file():
+        st = torch.load(folder / "train_state.pt", map_location="cpu", weights_only=True)
+        return {**st, "data_rng": _rng_tuple(st["data_rng"])}
+    tensors = load_file(str(folder / "train_state.safetensors"))
+    meta = json.loads((folder / "train_state.json").read_text())
+    state = {
+        int(idx): {
+            name: tensors[f"optimizer.{idx}.{name}"] if value is None else value for name, value in slots.items()
+        }
+        for idx, slots in meta["state"].items()
+    }
+    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]]
+    return {
+        "optimizer": {"state": state, "param_groups": groups},
+        "data_rng": _rng_tuple(meta["data_rng"]),
+        "torch_rng": tensors["torch_rng"],
+        "loss_rng": tensors["loss_rng"],
+    }
+
+
+def _rng_tuple(data_rng) -> tuple:
+    """``random.Random.setstate`` wants tuples where JSON gives lists."""
+    version, internal, gauss = data_rng
+    return (version, tuple(internal), gauss)
 
 
 def swap_in(tmp: Path, final: Path) -> None:
@@ -440,11 +490,11 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 # ---- training --------------------------------------------------------------------------------------------------
-def train(cfg: TrainConfig) -> Path:
+def train(cfg: ProxyTrainConfig) -> Path:
     """Run (or resume) training in ``cfg.out_dir``; returns the checkpoint folder."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from core_kv.models.proxy_data import Generator
+    from core_kv.proxy.data import Generator
 
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
@@ -488,7 +538,7 @@ def train(cfg: TrainConfig) -> Path:
     loss_gen = torch.Generator().manual_seed(cfg.seed + 1)
     state = {"step": 0, "phase": 0, "phase_start": 0, "tokens": 0, "train_s": 0.0, "em_window": {}}
     if ckpt:
-        st = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
+        st = load_train_state(ckpt)
         opt.load_state_dict(st["optimizer"])
         data.rng.setstate(st["data_rng"])
         torch.set_rng_state(st["torch_rng"])
@@ -664,7 +714,7 @@ def write_stage_log(out: Path, dst: Path) -> None:
     dst.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
-def export(cfg: TrainConfig) -> Path:
+def export(cfg: ProxyTrainConfig) -> Path:
     """Write the last checkpoint to ``export_dir`` as a plain Hugging Face folder (safetensors + tokenizer + the
     training log, config and loss curve), built beside it and swapped in whole.
 
@@ -695,7 +745,9 @@ def export(cfg: TrainConfig) -> Path:
     plot_loss(tmp / "training_log.jsonl", tmp / "loss_curve.png")
     dropped = sorted(p.name for p in dst.iterdir() if not (tmp / p.name).exists()) if dst.is_dir() else []
     swap_in(tmp, dst)
-    if dropped:  # e.g. the hand-written model card and eval_proxy's scores, which describe the model just replaced
+    if (
+        dropped
+    ):  # e.g. the hand-written model card and the proxy.evaluate scores, which describe the model just replaced
         warnings.warn(
             f"export replaced {dst} whole and removed {', '.join(dropped)} (not written by export): they described "
             "the previous model; rewrite them for this one (or restore them from git if it is the same model)",
@@ -705,7 +757,7 @@ def export(cfg: TrainConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(TrainConfig, sys.argv[1:] if argv is None else argv, usage=__doc__)
+    cfg = load_config(ProxyTrainConfig, sys.argv[1:] if argv is None else argv, usage=__doc__)
     if cfg.mode == "train":
         train(cfg)
     else:

@@ -27,8 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from core_kv.eval.resources import essay_files, sent_tokenize, words
-from core_kv.models.proxy_tokenizer import NOISE_LINE
+from core_kv.proxy.tokenizer import NOISE_LINE
+from core_kv.resources import essay_files, sent_tokenize, words
 
 RULER_SEED = 42
 HELD_OUT_WORDS = 16_000  # words of RULER's haystack prefix kept unseen (≈27k proxy tokens, far beyond 4k contexts)
@@ -121,7 +121,7 @@ class Sequence:
     lm: list[int]  # 0 = not in the LM loss, 1 = sampled into it, 2 = always in it (question after the context)
     ans: list[int]  # k > 0 = token of the k-th answer, 0 = not an answer
     task: str
-    # Attention targets of the auxiliary head losses (``train_proxy.RetrievalHead``), indexed like ``ans`` (entry i is
+    # Attention targets of the auxiliary head losses (``core_kv.proxy.train.RetrievalHead``), indexed like ``ans`` (entry i is
     # for the query at i-1, which predicts token i); -1 = none, an empty list = none anywhere.
     # src: the context token an answer token copies (the same token of the needle's value);
     # qsrc: for an answer token, the last token of its key in the question (word keys only);

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m core_kv.models.eval_proxy checkpoints/proxy-lm --lengths 1024 2048 4096 --n 20 --out runs/proxy/eval.json
+    python -m core_kv.proxy.evaluate checkpoints/proxy-lm --lengths 1024 2048 4096 --n 20 --out runs/proxy/eval.json
 
 Samples are RULER's seed-42 sets from :mod:`core_kv.eval.ruler`, sized with the proxy tokenizer
 (``len(tok.tokenize(text))``). The score is RULER's ``string_match_all`` (x100). To fit a CPU budget, generation

@@ -1,0 +1,147 @@
+"""The teacher run's typed config: the frozen model, the documents, the events and the solver (YAML diffs in
+``configs/teacher/``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core_kv.features import (
+    OBS_WINDOW,
+)
+
+PROXY_MIX = {
+    "niah_single_1": 0.1,
+    "niah_single_2": 0.15,
+    "niah_multikey_1": 0.15,
+    "niah_multikey_2": 0.1,
+    "niah_multivalue": 0.1,
+    "niah_multiquery": 0.1,
+    "mk_noise": 0.05,
+    "vt": 0.05,
+    "lm": 0.2,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class ModelSpec:
+    """The frozen base model: a Hugging Face folder/hub id, or (``random_init``) a config-built Llama."""
+
+    path: str = "checkpoints/proxy-lm"
+    revision: str = ""
+    tokenizer: str = ""  # "" = path; "build" = build the proxy tokenizer in code
+    random_init: bool = False
+    seed: int = 0
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataSpec:
+    """Teacher documents. ``proxy``: the proxy LM's RULER-style generator + essays; ``random``: random tokens
+    (tests); ``hf``: a Hugging Face dataset (``context_field`` + ``answer_field``, e.g. LongAlpaca-12k)."""
+
+    source: str = "proxy"
+    num_docs: int = 16
+    calib_docs: int = 8
+    calib_keys: int = 16384  # pre-RoPE keys per head kept for the geometry fit
+    min_len: int = 1536
+    max_len: int = 2048
+    seed: int = 20261130  # never 42 (RULER's evaluation seed)
+    mix: dict[str, float] = field(default_factory=lambda: dict(PROXY_MIX))
+    question_tokens: int = 48  # tokens before the first answer token counted as the question
+    hf_dataset: str = "Yukang/LongAlpaca-12k"
+    hf_split: str = "train"
+    hf_context_field: str = "instruction"
+    hf_answer_field: str = "output"
+
+
+@dataclass
+class TeacherConfig:
+    """Everything a teacher run depends on; YAML files in ``configs/teacher/`` override these defaults."""
+
+    out_dir: str = "runs/teacher/default"
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    chunk_size: int = 512
+    qa_weight: float = 0.5
+    lam: float = 2.0
+    steps: int = 8  # R0 [paper Table 5]
+    ref_steps: int = 16  # Table 5 reference
+    eta: str = "auto"  # "auto" or a number in (0, 1]
+    ratios: list[float] = field(default_factory=lambda: [0.75, 0.9])
+    protected_sinks: int = 4
+    protected_recent: int = 32
+    d_z: int = 64
+    num_prototypes: int = 64
+    geometry_path: str = ""  # "" = <out_dir>/geometry.safetensors (fitted if absent)
+    metrics: bool = True
+    metrics_docs: int = -1  # Table 5/7 on documents with index < this only (-1: all); the greedy is O(B·N·M)
+    records_per_shard: int = 256
+    feature_dtype: str = "float16"
+    threads: int = 1  # >0: torch.set_num_threads (1 is fastest on shared CPUs; 0 = leave it)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.data.seed == 42:
+            raise ValueError("data.seed 42 is RULER's evaluation seed; teacher documents must use another one")
+        if self.eta != "auto":
+            e = float(self.eta)
+            if not 0 < e <= 1:
+                raise ValueError(f"eta must be 'auto' or in (0, 1], got {self.eta}")
+        if self.lam < 0:
+            raise ValueError(f"lam must be >= 0, got {self.lam}")
+        if not 0 <= self.qa_weight <= 1:
+            raise ValueError(f"qa_weight must be in [0, 1], got {self.qa_weight}")
+        if not self.ratios or any(not 0 <= r < 1 for r in self.ratios):
+            raise ValueError(f"ratios must be compression ratios in [0, 1), got {self.ratios}")
+        if self.steps < 1 or self.ref_steps < self.steps:
+            raise ValueError("need 1 <= steps <= ref_steps")
+        if self.data.source not in ("proxy", "random", "hf"):
+            raise ValueError(f"data.source must be proxy, random or hf, got {self.data.source!r}")
+        if self.chunk_size <= OBS_WINDOW:
+            raise ValueError(f"chunk_size must exceed the observation window ({OBS_WINDOW})")
+        if self.feature_dtype not in ("float16", "float32"):
+            raise ValueError("feature_dtype must be float16 or float32")
+        counts = [(f"data.{k}", getattr(self.data, k), 1) for k in ("num_docs", "calib_docs", "calib_keys", "min_len")]
+        counts += [(k, getattr(self, k), 1) for k in ("records_per_shard", "d_z", "num_prototypes")]
+        counts += [(k, getattr(self, k), 0) for k in ("protected_sinks", "protected_recent", "threads")]
+        counts += [("data.question_tokens", self.data.question_tokens, 0)]
+        for name, v, low in counts:
+            if isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be >= {low}, got {v!r}")
+        if self.data.source != "hf" and self.data.max_len < self.data.min_len:  # hf rows have natural lengths
+            raise ValueError(f"data.max_len ({self.data.max_len}) must be >= data.min_len ({self.data.min_len})")
+        if self.metrics_docs < -1 or self.metrics_docs == 0:
+            raise ValueError(f"metrics_docs must be -1 (all documents) or >= 1, got {self.metrics_docs}")
+
+    @property
+    def eta_value(self) -> float | str:
+        return "auto" if self.eta == "auto" else float(self.eta)
+
+    def teacher_params(self) -> dict:
+        """What the allocations depend on besides the model and the documents (recorded in the manifest)."""
+        return {
+            "lam": self.lam,
+            "steps": self.steps,
+            "eta": self.eta,
+            "beta": "normalised: beta*B = 1/mean|Phi|^2",
+            "chunk_size": self.chunk_size,
+            "qa_weight": self.qa_weight,
+            "question_tokens": self.data.question_tokens,
+            "ratios": list(self.ratios),
+            "protected_sinks": self.protected_sinks,
+            "protected_recent": self.protected_recent,
+            "d_z": self.d_z,
+            "num_prototypes": self.num_prototypes,
+            "candidates": "full cache (all tokens before the event)",
+        }
