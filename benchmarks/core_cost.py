@@ -70,6 +70,20 @@ def build_model(shape: dict):
     return LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).eval()
 
 
+def bench_shape(shape: str, layers: int | None) -> dict:
+    """The config of ``--shape`` with ``--layers`` decoder layers (all of them when None)."""
+    return SHAPES[shape] | ({"num_hidden_layers": layers} if layers else {})
+
+
+def bench_model(model: str | None, shape: str, layers: int | None):
+    """``--model`` (a folder or a packaged name such as ``smollm2-135m``, fp32), else the config-built ``--shape``."""
+    if model:
+        from core_kv.models.loading import load_model
+
+        return load_model(model, dtype="float32")[0]
+    return build_model(bench_shape(shape, layers))
+
+
 def build_artifact(model, folder: Path) -> Path:
     """An untrained CORE artifact for ``model``: geometry fitted to its keys on random tokens, default MLPs."""
     from core_kv.distill.replay import capture
@@ -174,13 +188,7 @@ def main(argv=None) -> None:
 
     from core_kv.presses.core import core_parameter_counts
 
-    if args.model:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
-    else:
-        shape = SHAPES[args.shape] | ({"num_hidden_layers": args.layers} if args.layers else {})
-        model = build_model(shape)
+    model = bench_model(args.model, args.shape, args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core")
         results = {}
@@ -201,7 +209,7 @@ def main(argv=None) -> None:
         "threads": args.threads,
         "repeats": args.repeats,
         "decode_steps": DECODE_STEPS,
-        "model": args.model or shape,
+        "model": args.model or bench_shape(args.shape, args.layers),
         "base_parameters": base_params,
         "core_parameters": params,
         "core_parameters_share": params["total"] / base_params,

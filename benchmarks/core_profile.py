@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_cost import SHAPES, build_artifact, build_model  # noqa: E402
+from core_cost import SHAPES, bench_model, build_artifact  # noqa: E402
 
 COMPONENTS = (
     "q_hook", "hooks", "unrope", "features", "indexer", "topb", "write", "evict", "readout_lse", "readout_mem", "readout",
@@ -202,12 +202,7 @@ def main(argv=None) -> None:
 
     from core_kv.presses import build_press
 
-    if args.model:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
-    else:
-        model = build_model(SHAPES[args.shape] | ({"num_hidden_layers": args.layers} if args.layers else {}))
+    model = bench_model(args.model, args.shape, args.layers)
     n = args.length
     ctx = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
     question = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
