@@ -107,9 +107,9 @@ CASES = {
         {"compression_ratio": 0.5, "seed": 0},
         False,
     ),
-    "expected_attention": (  # core_kv's default epsilon is kvpress's registry value 1e-2
+    "expected_attention": (  # kvpress's registry value 1e-2 (core_kv's default is the class's 0, as kvpress's)
         "expected_attention",
-        {"compression_ratio": 0.5},
+        {"compression_ratio": 0.5, "epsilon": 1e-2},
         ExpectedAttentionPress,
         {"compression_ratio": 0.5, "epsilon": 1e-2},
         False,
@@ -122,7 +122,13 @@ CASES = {
         False,
     ),
     "h2o": ("h2o", {"compression_ratio": 0.5}, ObservedAttentionPress, {"compression_ratio": 0.5}, True),
-    "adakv_expected_attention": ("adakv", {"compression_ratio": 0.5}, None, {"compression_ratio": 0.5}, False),
+    "adakv_expected_attention": (
+        "adakv_expected_attention",
+        {"compression_ratio": 0.5},
+        None,
+        {"compression_ratio": 0.5},
+        False,
+    ),
 }
 
 

@@ -25,11 +25,12 @@ class ExpectedAttentionPress(ScorerPress, name="expected_attention"):
     3. ``softmax_j(k_j . mu / sqrt(d) + k_j^T Sigma k_j / (2 d))`` over keys, averaged over the query heads of each
        KV head, then ``(score + epsilon) * ||v_j||`` if ``use_vnorm``; the sinks are kept (``max + 1``).
 
+    ``epsilon`` defaults to 0, kvpress's class default. kvpress's evaluation registry runs
+    ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))`` under the name ``expected_attention``; that variant is
+    registered here as ``adakv_expected_attention``.
+
     Deviations from kvpress's ``ExpectedAttentionPress``:
 
-    - ``epsilon`` defaults to ``1e-2``, the value of kvpress's evaluation registry (whose ``"expected_attention"``
-      entry is ``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))`` — here ``build_press("adakv",
-      press="expected_attention")``); the dataclass default there is 0.
     - The future positions start after the last position of the current forward (``position_ids``), which is
       kvpress's ``q_len`` at prefill and stays right for chunked prefill and decode-time eviction.
     - Fewer than ``n_sink + 1`` new queries (decoding) use all of them; padding of a ragged cache is masked out of
@@ -47,7 +48,7 @@ class ExpectedAttentionPress(ScorerPress, name="expected_attention"):
     n_sink: int = 4
     use_covariance: bool = True
     use_vnorm: bool = True
-    epsilon: float = 1e-2
+    epsilon: float = 0.0
 
     _rotary: nn.Module | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -1,0 +1,88 @@
+"""Which layers' allocation decides retrieval? CORE's indexer in some layers, another press's scores in the others.
+
+A diagnostic for the CORE-on-SmolLM2 question (issue 20): the learned allocation loses needles that KeyDiff keeps,
+although both keep the needle's tokens in most layers. This registers ``core_mix``, a ``core`` press whose layers in
+``--other-layers`` choose Top-B (and drive the memory writes) with ``--other``'s scores, exactly as ``core_keydiff``
+does in every layer, and the rest with the indexer; then it runs :mod:`needle_wording` on it. Swapping layer bands
+one at a time says which band's learned allocation breaks retrieval.
+
+    .venv/bin/python benchmarks/allocation_mix.py --checkpoint checkpoints/core-smollm2/final \\
+        --other keydiff --other-layers 0-3 --ratios 0.75 --wordings ruler --haystacks noise --n 10
+
+Everything after the mix options is passed to ``needle_wording.py`` (``--methods`` is set to ``core_mix``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def parse_layers(text: str) -> list[int]:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``; an empty string is no layer."""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise SystemExit(f"--other-layers expects e.g. 0-3,8; got {text!r}")
+        out += range(int(lo), int(hi or lo) + 1)
+    return sorted(set(out))
+
+
+def register_core_mix():
+    from core_kv.presses.base import PRESSES
+    from core_kv.presses.core import CorePress
+
+    if "core_mix" in PRESSES:
+        return PRESSES["core_mix"]
+
+    @dataclass
+    class CoreMixPress(CorePress, name="core_mix"):
+        """``core`` with ``other``'s scores (``keydiff`` / ``expected_attention``) in the layers ``other_layers``."""
+
+        other: str = "keydiff"
+        other_layers: list = field(default_factory=list)
+
+        def validate(self) -> None:
+            super().validate()
+            if self.other not in ("keydiff", "expected_attention"):
+                raise ValueError(f"core_mix: other must be keydiff or expected_attention, got {self.other!r}")
+            from core_kv.presses.base import build_press
+
+            self._mix_inner = build_press(self.other)
+
+        def _event(self, module, st, keys, values, hidden_states, kwargs, b):
+            if module.layer_idx not in self.other_layers:
+                return super()._event(module, st, keys, values, hidden_states, kwargs, b)
+            saved = self.allocation, self._inner
+            self.allocation, self._inner = self.other, self._mix_inner
+            try:
+                return super()._event(module, st, keys, values, hidden_states, kwargs, b)
+            finally:
+                self.allocation, self._inner = saved
+
+    return CoreMixPress
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=True)
+    ap.add_argument("--checkpoint", required=True, help="CORE artifact folder")
+    ap.add_argument("--other", default="keydiff", choices=["keydiff", "expected_attention"])
+    ap.add_argument("--other-layers", default="", help="layers that use --other's scores, e.g. 0-3,8")
+    args, rest = ap.parse_known_args(argv)
+    register_core_mix()
+    import needle_wording
+
+    layers = parse_layers(args.other_layers)
+    opts = [f"core_mix.checkpoint={args.checkpoint}", f"core_mix.other={args.other}",
+            f"core_mix.other_layers={layers}"]  # fmt: skip
+    extra = [a for o in opts for a in ("--press-option", o)]
+    return needle_wording.main(["--methods", "core_mix", *extra, *rest])
+
+
+if __name__ == "__main__":
+    main()
