@@ -9,7 +9,14 @@ layer, averaged over prompts and KV heads:
 - ``needle``: fraction of the needle sentence's tokens kept;
 - ``value``: fraction of the value's digit tokens kept;
 - ``head``: fraction of the first ``--head-tokens`` tokens kept (chat-template system turn + task instruction);
-- ``overlap``: |kept ∩ kept_ref| / |kept| against ``--reference`` (default KeyDiff) at the same ratio.
+- ``overlap``: |kept ∩ kept_ref| / |kept| against ``--reference`` (default KeyDiff) at the same ratio;
+- ``qmass``: share of the question's attention kept: the full-cache attention that the question + answer-prefix
+  tokens (appended as the pipeline does) put on the context, summed over the kept entries, divided by the total on the
+  context (mean over those queries and the query heads of each KV head) — the question-aware utility ``U_B`` of the
+  kept set, which a question-agnostic cache must anticipate (``--answer-rows``: from the answer's own tokens, the
+  queries that copy the value, which the teacher's question/answer tail also counts);
+- ``output error``: for those same queries, ``||o* - o_R|| / ||o*||`` of each query head's attention output (before
+  ``W_O``, this layer's inputs held at the full cache's) with only the kept context entries vs the full cache.
 
 Usage::
 
@@ -64,6 +71,55 @@ def kept_positions(cache, full_keys: list[torch.Tensor]) -> list[list[set[int]]]
     return out
 
 
+def question_attention(model, ctx_ids: list[int], q_ids: list[int], first_row: int = 0) -> list[dict]:
+    """Per layer: ``mass`` (Hkv, N), the mean full-cache attention of the question tokens ``q_ids[first_row:]`` on
+    each of the N context tokens; ``rows`` (H, T, N + T_q), those tokens' attention rows; ``values`` (Hkv, N + T_q, D)."""
+    from transformers import DynamicCache
+
+    n, hooks, out = len(ctx_ids), [], []
+    body = getattr(model, "model", model)
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+
+    def grab(module, args, output):
+        rows = output[1][0, :, n + first_row :].float()  # (H, T, N + T_q)
+        out.append({"mass": rows[..., :n].mean(1).view(-1, g, n).mean(1), "rows": rows})
+
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        for layer in body.layers:
+            hooks.append(layer.self_attn.register_forward_hook(grab))
+        cache = DynamicCache()
+        with torch.no_grad():
+            body(input_ids=torch.tensor([ctx_ids + q_ids]), past_key_values=cache, output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.set_attn_implementation(impl)
+    for layer, rec in zip(cache.layers, out, strict=True):
+        rec["values"] = layer.values[0].float()
+    return out
+
+
+def retention_error(rec: dict, kept: list[set[int]], n: int) -> float:
+    """Mean over the question rows and query heads of ``||o* - o_R|| / ||o*||``: the attention output (before W_O)
+    with the full cache vs with the kept context entries (+ the question's own tokens)."""
+    rows, values = rec["rows"], rec["values"]
+    hkv = values.shape[0]
+    g = rows.shape[0] // hkv
+    errs = []
+    for h, s in enumerate(kept):
+        mask = torch.zeros(values.shape[1])
+        mask[sorted(s)] = 1.0
+        mask[n:] = 1.0
+        a = rows[h * g : (h + 1) * g]  # (G, T, L)
+        o_full = a @ values[h]
+        ar = a * mask
+        o_r = (ar / ar.sum(-1, keepdim=True)) @ values[h]
+        errs.append(((o_full - o_r).norm(dim=-1) / o_full.norm(dim=-1).clamp_min(1e-12)).mean())
+    return float(torch.stack(errs).mean())
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -77,6 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--head-tokens", type=int, default=30)
     ap.add_argument("--layers", default="", help="comma-separated layers to print (default: all)")
+    ap.add_argument(
+        "--answer-rows",
+        action="store_true",
+        help="question mass from the answer's tokens (' <value>.' after the prefix) instead of the question's",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -87,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import core_kv.presses  # noqa: F401
     from core_kv.models.loading import load_model
+    from core_kv.pipeline import encode
     from core_kv.presses import build_press
 
     torch.set_num_threads(args.threads)
@@ -97,6 +159,15 @@ def main(argv: list[str] | None = None) -> dict:
     stats: dict[str, list[dict]] = {m: [] for m in methods}
     for p in prompts:
         ids, needle, value = context_ids_and_spans(tok, p)
+        enc = encode(tok, p["context"], [p["question"]], [p["prefix"]])
+        if enc.context_ids[0].tolist() != ids:
+            raise RuntimeError("the audit's context ids differ from the pipeline's")
+        q_ids = enc.question_ids[0][0].tolist()
+        if args.answer_rows:  # the answer's tokens after the prefix, as greedy decoding would produce them
+            answer = tok.encode(f" {p['value']}.", add_special_tokens=False)
+            qatt = question_attention(model, ids, q_ids + answer, first_row=len(q_ids))
+        else:
+            qatt = question_attention(model, ids, q_ids)
         x = torch.tensor([ids])
         with torch.no_grad():
             full = DynamicCache()
@@ -121,23 +192,28 @@ def main(argv: list[str] | None = None) -> dict:
                     "head": sum(len(s & head) for s in heads) / (len(heads) * len(head)),
                     "overlap": sum(len(s & r) / max(1, len(s)) for s, r in zip(heads, ref, strict=True)) / len(heads),
                     "kept": sum(len(s) for s in heads) / len(heads),
+                    "qmass": sum(float(qatt[layer]["mass"][h, sorted(s)].sum() / qatt[layer]["mass"][h].sum())
+                                 for h, s in enumerate(heads)) / len(heads),
+                    "relerr": retention_error(qatt[layer], heads, len(ids)),
                 })  # fmt: skip
             stats[m].append(rows)
     layers = [int(v) for v in args.layers.split(",")] if args.layers else list(range(len(stats[methods[0]][0])))
     print(f"\nmodel {args.model} | ratio {args.ratio} | {args.n} prompts, {args.haystack} haystack, {args.length} tokens"
           f" | overlap vs {args.reference}")  # fmt: skip
-    print("| method | layer | needle kept | value kept | first tokens kept | overlap | tokens kept |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| method | layer | needle kept | value kept | first tokens kept | overlap | question mass kept | tokens kept |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     summary = {}
     for m in methods:
         mean = {k: [sum(r[l][k] for r in stats[m]) / len(stats[m]) for l in range(len(stats[m][0]))]
-                for k in ("needle", "value", "head", "overlap", "kept")}  # fmt: skip
+                for k in ("needle", "value", "head", "overlap", "qmass", "relerr", "kept")}  # fmt: skip
         summary[m] = mean
         for l in layers:
             print(f"| {m} | {l} | {mean['needle'][l]:.2f} | {mean['value'][l]:.2f} | {mean['head'][l]:.2f} | "
-                  f"{mean['overlap'][l]:.2f} | {mean['kept'][l]:.0f} |")  # fmt: skip
+                  f"{mean['overlap'][l]:.2f} | {mean['qmass'][l]:.2f} | {mean['relerr'][l]:.3f} | {mean['kept'][l]:.0f} |")  # fmt: skip
         print(f"| {m} | mean | " + " | ".join(f"{sum(mean[k]) / len(mean[k]):.2f}" for k in
-                                             ("needle", "value", "head", "overlap")) + f" | {sum(mean['kept']) / len(mean['kept']):.0f} |")  # fmt: skip
+                                             ("needle", "value", "head", "overlap", "qmass", "relerr")) + f" | {sum(mean['kept']) / len(mean['kept']):.0f} |")  # fmt: skip
     if args.json:
         from core_kv.io import atomic_write_json
 
