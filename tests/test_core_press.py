@@ -7,6 +7,7 @@ press's mechanics do not depend on training, and the tests must run without the 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -48,17 +49,9 @@ def logits_after(model, press, ctx, question, chunk_size=None):
     """Logits of the question tokens fed on top of the (compressed) context."""
     cache = prefill(model, ctx, press, chunk_size)
     pos = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
-    with torch.inference_mode(), press(model) if press is not None else _null():
+    with torch.inference_mode(), press(model) if press is not None else nullcontext():
         out = model(input_ids=question, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
     return out.logits
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -228,7 +228,7 @@ def test_memory_gate_scalars_train_at_their_own_learning_rate(reference):
     only move by more than memory.lr x steps if ``memory.gate_lr`` reaches the optimizer; W_phi stays bounded by
     memory.lr. Both bounds use the schedule's peak, so they hold for any warm-up."""
     from core_kv.distill.config import MemoryStage
-    from core_kv.distill.trainer import _param_groups
+    from core_kv.distill.loop import _param_groups
     from core_kv.memory import LatentMemory
 
     mc = MemoryStage(steps=2)
