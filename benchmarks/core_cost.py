@@ -64,10 +64,9 @@ DECODE_STEPS = 32
 
 
 def build_model(shape: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from core_kv.models.tiny import tiny_lm
 
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).eval()
+    return tiny_lm(seed=0, attn_implementation="sdpa", **shape)
 
 
 def bench_shape(shape: str, layers: int | None) -> dict:

@@ -25,6 +25,7 @@ from core_kv.distill.replay import capture
 from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa
 from core_kv.models.cache import HeadGroup, RaggedKV, RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
+from core_kv.models.tiny import FAMILIES, tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES, BasePress
 from core_kv.presses import build_press as _build_press
@@ -42,13 +43,7 @@ COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=2048,
 )
-ARCHS = {
-    "llama": ("LlamaConfig", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 16}),
-    "mistral": ("MistralConfig", {}),
-    "qwen2": ("Qwen2Config", {}),
-    "phi3": ("Phi3Config", {"pad_token_id": 0}),
-}
+ARCHS = tuple(FAMILIES)  # every family core_kv.models.tiny builds
 _MODELS: dict = {}
 _ARTIFACTS: dict = {}
 CORE_NAMES = {name for name, cls in PRESSES.items() if issubclass(cls, CorePress)}
@@ -57,10 +52,7 @@ CORE_NAMES = {name for name, cls in PRESSES.items() if issubclass(cls, CorePress
 def tiny(arch: str, eager: bool = False) -> torch.nn.Module:
     """A 2-layer GQA model (4 query / 2 KV heads) of ``arch``, seeded, cached per (arch, attention)."""
     if (arch, eager) not in _MODELS:
-        cfg_name, extra = ARCHS[arch]
-        cfg = getattr(transformers, cfg_name)(**COMMON, **extra, attn_implementation="eager" if eager else "sdpa")
-        torch.manual_seed(0)
-        _MODELS[arch, eager] = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        _MODELS[arch, eager] = tiny_lm(arch, 0, "eager" if eager else "sdpa", **COMMON)
     return _MODELS[arch, eager]
 
 

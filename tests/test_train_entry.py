@@ -125,10 +125,12 @@ def test_artifact_refuses_other_base_model(reference, llama):
     other = __import__("conftest").tiny_model("llama", seed=3)
     with pytest.raises(FingerprintMismatch, match="k_proj_digest"):
         CoreModel.from_pretrained(reference / "final", base_model=other)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from core_kv.models.tiny import tiny_lm
 
-    three = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    # the RNG as it stands, LlamaConfig's default attention and max_position_embeddings
+    three = tiny_lm(
+        seed=None, attn_implementation=None, vocab_size=512, num_hidden_layers=3, max_position_embeddings=2048
+    )
     with pytest.raises(FingerprintMismatch, match="layers"):
         CoreModel.from_pretrained(reference / "final", base_model=three)
 
