@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer
-from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.models.cache import cache_kwarg, kv_bytes, layer_lengths
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press

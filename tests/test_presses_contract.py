@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import transformers
 from transformers import DynamicCache
 
+from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import capture
-from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa
 from core_kv.models.cache import HeadGroup, RaggedKV, RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.models.tiny import FAMILIES, tiny_lm

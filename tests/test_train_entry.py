@@ -91,7 +91,7 @@ def reference(tmp_path_factory, teacher_dir) -> Path:
 
 
 def test_folder_listing_and_artifact(reference):
-    from core_kv.indexer import CoreModel
+    from core_kv.core_model import CoreModel
     from core_kv.teacher.config import ModelSpec
     from core_kv.teacher.docs import load_model
 
@@ -119,7 +119,7 @@ def test_folder_listing_and_artifact(reference):
 
 
 def test_artifact_refuses_other_base_model(reference, llama):
-    from core_kv.indexer import CoreModel
+    from core_kv.core_model import CoreModel
     from core_kv.teacher.geometry import FingerprintMismatch
 
     other = __import__("conftest").tiny_model("llama", seed=3)

@@ -46,6 +46,7 @@ import torch
 from tqdm import tqdm
 
 from core_kv.config import to_dict
+from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.evaluate import evaluate
 from core_kv.distill.loop import Interrupted
 from core_kv.distill.profile import timing
@@ -53,7 +54,6 @@ from core_kv.distill.replay import ReplaySpec, Timer
 from core_kv.distill.report import distill_report_markdown, format_summary
 from core_kv.distill.stages import calibrate, train_indexer, train_memory
 from core_kv.distill.steps import Context, DocItem
-from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.io import atomic_write_json, atomic_write_text
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
 from core_kv.teacher.docs import load_model, make_docs
