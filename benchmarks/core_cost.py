@@ -64,10 +64,9 @@ DECODE_STEPS = 32
 
 
 def build_model(shape: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from core_kv.models.tiny import tiny_lm
 
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).eval()
+    return tiny_lm(seed=0, attn_implementation="sdpa", **shape)
 
 
 def bench_shape(shape: str, layers: int | None) -> dict:
@@ -86,8 +85,8 @@ def bench_model(model: str | None, shape: str, layers: int | None):
 
 def build_artifact(model, folder: Path) -> Path:
     """An untrained CORE artifact for ``model``: geometry fitted to its keys on random tokens, default MLPs."""
+    from core_kv.core_model import CoreConfig, CoreModel
     from core_kv.distill.replay import capture
-    from core_kv.indexer import CoreConfig, CoreModel
     from core_kv.teacher.geometry import fit_geometry, model_fingerprint
 
     ids = torch.randint(3, model.config.vocab_size, (1, 1024), generator=torch.Generator().manual_seed(0))

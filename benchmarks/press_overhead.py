@@ -38,6 +38,7 @@ import torch
 import transformers
 
 from core_kv.models.cache import kv_bytes
+from core_kv.models.tiny import tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES, build_press
 
@@ -77,7 +78,9 @@ def load_model(eager: bool) -> tuple[torch.nn.Module, str]:
     if (ckpt / "config.json").exists():
         model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation=impl)
         return model.eval(), str(ckpt.relative_to(ROOT))
-    cfg = transformers.LlamaConfig(
+    model = tiny_lm(
+        seed=0,
+        attn_implementation=impl,
         vocab_size=1024,
         hidden_size=256,
         intermediate_size=1024,
@@ -85,10 +88,8 @@ def load_model(eager: bool) -> tuple[torch.nn.Module, str]:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=16384,
-        attn_implementation=impl,
     )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval(), "config-built Llama (env.md §7, 4.5M params)"
+    return model, "config-built Llama (env.md §7, 4.5M params)"
 
 
 def make_press(name: str, ratio: float):

@@ -51,10 +51,9 @@ def peak_rss_bytes() -> int:
 
 
 def build_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from core_kv.models.tiny import tiny_lm
 
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**MODEL, attn_implementation="sdpa")).eval()
+    return tiny_lm(seed=0, attn_implementation="sdpa", **MODEL)
 
 
 def make_press(spec: dict):

@@ -28,7 +28,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("core_kv.proxy",),  # the proxy LM's tokenizer, data and trainer: the teacher makes its documents with them
     ("core_kv.features",),
     ("core_kv.teacher",),
-    ("core_kv.memory", "core_kv.indexer"),
+    ("core_kv.memory", "core_kv.indexer", "core_kv.core_model"),
     ("core_kv.distill",),
     ("core_kv.presses", "core_kv.pipeline"),
     ("core_kv.eval",),

@@ -7,13 +7,14 @@ press's mechanics do not depend on training, and the tests must run without the 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer
-from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.models.cache import cache_kwarg, kv_bytes, layer_lengths
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
@@ -48,17 +49,9 @@ def logits_after(model, press, ctx, question, chunk_size=None):
     """Logits of the question tokens fed on top of the (compressed) context."""
     cache = prefill(model, ctx, press, chunk_size)
     pos = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
-    with torch.inference_mode(), press(model) if press is not None else _null():
+    with torch.inference_mode(), press(model) if press is not None else nullcontext():
         out = model(input_ids=question, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
     return out.logits
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 # ------------------------------------------------------------------------------------------------------------------

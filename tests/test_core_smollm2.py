@@ -23,7 +23,7 @@ def smollm2():
 
 
 def test_artifact_matches_smollm2s_fingerprint(smollm2):
-    from core_kv.indexer import CoreModel
+    from core_kv.core_model import CoreModel
 
     core = CoreModel.from_pretrained(ARTIFACT)
     stored = core.config.fingerprint

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
 
 from core_kv.eval.fidelity import (
     LOWER_IS_BETTER,
@@ -24,6 +23,7 @@ from core_kv.eval.fidelity import (
     markdown_tables,
 )
 from core_kv.models.cache import RaggedLayer
+from core_kv.models.tiny import tiny_lm
 from core_kv.pipeline import prefill
 from core_kv.presses import build_press
 from core_kv.presses.base import ScorerPress
@@ -50,11 +50,7 @@ def tok():
 
 
 def _llama(seed: int = 0, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**TINY, "vocab_size": 260, "attn_implementation": "sdpa", **overrides})
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_lm(seed=seed, **{"vocab_size": 260, **overrides})
 
 
 def local_model(seed: int = 0, scale: float = 2.0, head_dim: int = 32):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.features import FeatureStats
-from core_kv.indexer import CoreConfig, CoreIndexer, CoreModel, indexer_mlp
+from core_kv.indexer import CoreIndexer, indexer_mlp
 from core_kv.teacher.geometry import FingerprintMismatch, fit_geometry, model_fingerprint
 from core_kv.teacher.metrics import protected_mask, top_free
 
@@ -88,3 +91,17 @@ def test_other_base_model_is_refused(artifact):
 def test_config_rejects_unknown_write_rule():
     with pytest.raises(ValueError, match="write_rule"):
         CoreConfig(write_rule="average")
+
+
+@pytest.mark.parametrize(
+    "folder", sorted(Path(__file__).resolve().parents[1].glob("checkpoints/core-*/final")), ids=str
+)
+def test_shipped_artifacts_load_from_core_model_and_the_old_path(folder):
+    """The artifact classes moved to core_kv.core_model; shipped folders load unchanged, and the old import works."""
+    import core_kv.core_model
+    from core_kv.indexer import CoreModel as OldPath
+
+    assert OldPath is core_kv.core_model.CoreModel
+    core_kv.core_model.check_artifact(folder)
+    core = CoreModel.from_pretrained(folder)
+    assert core.config.num_layers == len(core.indexer.layers)

@@ -33,13 +33,13 @@ def _fake_convert(calls):
     """A fast stand-in for the GGUF conversion: a 1-layer config-built Llama saved as a Hugging Face folder."""
 
     def convert(gguf, out):
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from core_kv.models.tiny import tiny_lm
 
         calls.append((gguf, out))
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-        LlamaForCausalLM(cfg).save_pretrained(out)
+        model = tiny_lm(seed=0, attn_implementation=None, vocab_size=64, hidden_size=16, intermediate_size=32,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                        max_position_embeddings=2048)  # fmt: skip
+        model.save_pretrained(out)
 
     return convert
 

@@ -21,12 +21,13 @@ import torch.nn.functional as F
 import transformers
 from transformers import DynamicCache
 
+from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import capture
-from core_kv.indexer import CoreConfig, CoreModel
 from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa
 from core_kv.models.cache import HeadGroup, RaggedKV, RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
+from core_kv.models.tiny import FAMILIES, tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
-from core_kv.presses import PRESSES, BasePress
+from core_kv.presses import PRESSES, BasePress, ScorerPress
 from core_kv.presses import build_press as _build_press
 from core_kv.presses.core import CorePress
 from core_kv.teacher.geometry import fit_geometry, model_fingerprint
@@ -42,13 +43,7 @@ COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=2048,
 )
-ARCHS = {
-    "llama": ("LlamaConfig", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 16}),
-    "mistral": ("MistralConfig", {}),
-    "qwen2": ("Qwen2Config", {}),
-    "phi3": ("Phi3Config", {"pad_token_id": 0}),
-}
+ARCHS = tuple(FAMILIES)  # every family core_kv.models.tiny builds
 _MODELS: dict = {}
 _ARTIFACTS: dict = {}
 CORE_NAMES = {name for name, cls in PRESSES.items() if issubclass(cls, CorePress)}
@@ -57,10 +52,7 @@ CORE_NAMES = {name for name, cls in PRESSES.items() if issubclass(cls, CorePress
 def tiny(arch: str, eager: bool = False) -> torch.nn.Module:
     """A 2-layer GQA model (4 query / 2 KV heads) of ``arch``, seeded, cached per (arch, attention)."""
     if (arch, eager) not in _MODELS:
-        cfg_name, extra = ARCHS[arch]
-        cfg = getattr(transformers, cfg_name)(**COMMON, **extra, attn_implementation="eager" if eager else "sdpa")
-        torch.manual_seed(0)
-        _MODELS[arch, eager] = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        _MODELS[arch, eager] = tiny_lm(arch, 0, "eager" if eager else "sdpa", **COMMON)
     return _MODELS[arch, eager]
 
 
@@ -117,6 +109,8 @@ def model_for(press: BasePress, arch: str = "llama") -> torch.nn.Module:
 def record_selection(press: BasePress) -> list[tuple[torch.Tensor, object]]:
     """Wrap ``press.select`` to record (masked scores, kept) per eviction event."""
     calls: list = []
+    if not isinstance(press, ScorerPress):  # it composes its own selection; its budget is the contract checked
+        return calls
     select = press.select
 
     def wrapped(scores, n_kept, module, kwargs):
@@ -165,12 +159,12 @@ def test_budget_exact_and_top_scored(name, form, arch):
             assert per_head == [target] * hkv, f"layer {layer}: {per_head} != budget {target}"
         else:  # per-head budgets: the layer total is exact
             assert sum(per_head) == hkv * target and min(per_head) >= 1, f"layer {layer}: {per_head}"
-    if type(press).compress is not BasePress.compress or type(press)._post_hook is not BasePress._post_hook:
+    if type(press).compress is not ScorerPress.compress or type(press)._post_hook is not BasePress._post_hook:
         return  # the press composes its own selection (a repair pass, CORE's event); the budget above is the contract
     assert len(calls) == COMMON["num_hidden_layers"]
     for scores, kept, n_kept, _ in calls:
         rows = kept_rows(kept)
-        if type(press).select is BasePress.select:
+        if type(press).select is ScorerPress.select:
             for h, row in enumerate(rows):
                 mask = torch.zeros(scores.shape[-1], dtype=torch.bool)
                 mask[row] = True

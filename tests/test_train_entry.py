@@ -91,7 +91,7 @@ def reference(tmp_path_factory, teacher_dir) -> Path:
 
 
 def test_folder_listing_and_artifact(reference):
-    from core_kv.indexer import CoreModel
+    from core_kv.core_model import CoreModel
     from core_kv.teacher.config import ModelSpec
     from core_kv.teacher.docs import load_model
 
@@ -119,16 +119,18 @@ def test_folder_listing_and_artifact(reference):
 
 
 def test_artifact_refuses_other_base_model(reference, llama):
-    from core_kv.indexer import CoreModel
+    from core_kv.core_model import CoreModel
     from core_kv.teacher.geometry import FingerprintMismatch
 
     other = __import__("conftest").tiny_model("llama", seed=3)
     with pytest.raises(FingerprintMismatch, match="k_proj_digest"):
         CoreModel.from_pretrained(reference / "final", base_model=other)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from core_kv.models.tiny import tiny_lm
 
-    three = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    # the RNG as it stands, LlamaConfig's default attention and max_position_embeddings
+    three = tiny_lm(
+        seed=None, attn_implementation=None, vocab_size=512, num_hidden_layers=3, max_position_embeddings=2048
+    )
     with pytest.raises(FingerprintMismatch, match="layers"):
         CoreModel.from_pretrained(reference / "final", base_model=three)
 
@@ -228,7 +230,7 @@ def test_memory_gate_scalars_train_at_their_own_learning_rate(reference):
     only move by more than memory.lr x steps if ``memory.gate_lr`` reaches the optimizer; W_phi stays bounded by
     memory.lr. Both bounds use the schedule's peak, so they hold for any warm-up."""
     from core_kv.distill.config import MemoryStage
-    from core_kv.distill.trainer import _param_groups
+    from core_kv.distill.loop import _param_groups
     from core_kv.memory import LatentMemory
 
     mc = MemoryStage(steps=2)

@@ -1,7 +1,8 @@
 """Chunked-prefill replay with real evictions, one layer at a time (CORE.md stages 2–4).
 
 A document is run once through the frozen base model; a forward pre-hook on every attention module captures the
-layer's pre-/post-RoPE queries and keys and its values (:func:`capture`). :func:`replay_layer` then replays the
+layer's pre-/post-RoPE queries and keys and its values (:func:`capture`, with
+:func:`core_kv.models.attention.layer_qkv`, the same capture as the teacher's). :func:`replay_layer` then replays the
 chunked prefill of that layer: events sit where the teacher puts them (:func:`core_kv.teacher.docs.event_times`);
 at event ``t_e`` the candidates of KV head h are its retained set from the previous event plus the tokens that
 arrived since, the 14 features come from :func:`core_kv.features.compute_features` (with the persistence EMA
@@ -36,7 +37,7 @@ from torch import nn
 
 from core_kv.budget import budget_split
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
-from core_kv.models.attention import _split_qkv, apply_rope, attention_modules, prerope_keys, prerope_queries
+from core_kv.models.attention import LayerQKV, attention_inputs, attention_modules, layer_qkv
 from core_kv.teacher.geometry import Geometry
 from core_kv.teacher.metrics import protected_mask, top_free
 from core_kv.teacher.solver import solve_allocation
@@ -65,53 +66,17 @@ class Timer:
             self.seconds[name] += time.perf_counter() - t0
 
 
-@dataclass
-class LayerActs:
-    """One layer's captured activations for one document (float32, batch dim dropped)."""
-
-    q_pre: torch.Tensor  # (H, T, D)
-    k_pre: torch.Tensor  # (Hkv, T, D)
-    v: torch.Tensor  # (Hkv, T, D)
-    q_post: torch.Tensor  # (H, T, D)
-    k_post: torch.Tensor  # (Hkv, T, D)
-    scaling: float
-
-    @property
-    def groups(self) -> int:
-        return self.q_pre.shape[0] // self.k_pre.shape[0]
-
-
 @torch.no_grad()
-def capture(model: nn.Module, ids: torch.Tensor, autocast=None) -> list[LayerActs]:
+def capture(model: nn.Module, ids: torch.Tensor, autocast=None) -> list[LayerQKV]:
     """One forward of the base model body over ``ids`` (1, T); returns every layer's activations."""
-    acts: dict[int, LayerActs] = {}
+    acts: dict[int, LayerQKV] = {}
 
-    def hook(idx):
-        def fn(module, args, kwargs):
-            hs = kwargs.get("hidden_states", args[0] if args else None)
-            q_pre = prerope_queries(module, hs)  # (1, H, T, D)
-            k_pre = prerope_keys(module, hs)  # (1, Hkv, T, D)
-            _, hkv, t, d = k_pre.shape
-            v = _split_qkv(module, hs)[2].view(1, t, hkv, d).transpose(1, 2)
-            pe = kwargs["position_embeddings"]
-            acts[idx] = LayerActs(
-                q_pre[0].float(), k_pre[0].float(), v[0].float(),
-                apply_rope(module, q_pre, pe)[0].float(), apply_rope(module, k_pre, pe)[0].float(),
-                float(getattr(module, "scaling", d**-0.5)),
-            )  # fmt: skip
+    def keep(layer, module, hidden_states, kwargs):
+        acts[layer] = layer_qkv(module, hidden_states, kwargs["position_embeddings"])
 
-        return fn
-
-    mods = attention_modules(model)
-    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(mods)]
-    try:
-        body = getattr(model, "model", model)
-        with autocast if autocast is not None else nullcontext():
-            body(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return [acts[i] for i in range(len(mods))]
+    with attention_inputs(model, keep), autocast if autocast is not None else nullcontext():
+        getattr(model, "model", model)(input_ids=ids, use_cache=False)
+    return [acts[i] for i in range(len(attention_modules(model)))]
 
 
 def future_queries(t_e: int, chunk: int, qa_start: int | None, t_len: int, qa_weight: float, device=None):
@@ -168,7 +133,7 @@ class Event:
 
 
 def replay_layer(
-    acts: LayerActs,
+    acts: LayerQKV,
     layer: int,
     times: list[int],
     qa_start: int | None,
@@ -257,7 +222,7 @@ def replay_layer(
     return events
 
 
-def segment_attention(acts: LayerActs, ev: Event) -> dict[str, torch.Tensor]:
+def segment_attention(acts: LayerQKV, ev: Event) -> dict[str, torch.Tensor]:
     """Full-cache and retained-cache attention of the queries ``[t_e, end)`` after event ``ev``.
 
     The retained cache of KV head h is its kept candidates plus the new tokens up to each query (causal).

@@ -1,1 +1,2 @@
-"""Model helpers: the proxy LM (tokenizer, training data, training loop) and per-family cache access."""
+"""The model adapter: per-family Q/K/V and RoPE access (``attention``), the ragged cache (``cache``), loading by name
+(``loading``, ``packaged``) and the random-weight models built from config (``tiny``)."""

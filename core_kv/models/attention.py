@@ -12,7 +12,9 @@ their KV head) and concatenates the outputs. It is exact: no fake keys, no paddi
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +99,12 @@ def prerope_keys(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     return k.transpose(1, 2)
 
 
+def prerope_values(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Values, ``(B, Hkv, T, D)``."""
+    b, t, _ = hidden_states.shape
+    return _split_qkv(module, hidden_states)[2].view(b, t, -1, module.head_dim).transpose(1, 2)
+
+
 def apply_rope(
     module: nn.Module, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
@@ -109,6 +117,58 @@ def apply_rope(
 def queries_with_rope(module: nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
     """Post-RoPE queries of the current forward, ``(B, H, T, D)``."""
     return apply_rope(module, prerope_queries(module, hidden_states), position_embeddings)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Capture: one layer's Q/K/V of a forward, for the teacher's collection and distillation's replay
+
+
+@dataclass
+class LayerQKV:
+    """One layer's queries, keys and values of one sequence (float32, batch dim dropped)."""
+
+    q_pre: torch.Tensor  # (H, T, D)
+    k_pre: torch.Tensor  # (Hkv, T, D)
+    v: torch.Tensor  # (Hkv, T, D)
+    q_post: torch.Tensor  # (H, T, D)
+    k_post: torch.Tensor  # (Hkv, T, D)
+    scaling: float
+
+    @property
+    def groups(self) -> int:
+        return self.q_pre.shape[0] // self.k_pre.shape[0]
+
+
+def layer_qkv(module: nn.Module, hidden_states: torch.Tensor, position_embeddings) -> LayerQKV:
+    """Q/K/V of an attention module's input ``hidden_states`` ``(1, T, hidden)``, before and after the family's RoPE
+    (rotated in the model's dtype, then cast to float32)."""
+    q_pre = prerope_queries(module, hidden_states)  # (1, H, T, D)
+    k_pre = prerope_keys(module, hidden_states)  # (1, Hkv, T, D)
+    v = prerope_values(module, hidden_states)  # (1, Hkv, T, D)
+    return LayerQKV(
+        q_pre[0].float(), k_pre[0].float(), v[0].float(),
+        apply_rope(module, q_pre, position_embeddings)[0].float(), apply_rope(module, k_pre, position_embeddings)[0].float(),
+        float(getattr(module, "scaling", module.head_dim**-0.5)),
+    )  # fmt: skip
+
+
+@contextmanager
+def attention_inputs(model: nn.Module, fn: Callable[[int, nn.Module, torch.Tensor, dict], None]) -> Iterator[None]:
+    """Inside the block, ``fn(layer, module, hidden_states, kwargs)`` runs before every attention module's forward
+    (``kwargs`` holds ``position_embeddings``); the hooks always come off."""
+
+    def hook(layer: int):
+        def pre(module, args, kwargs):
+            fn(layer, module, kwargs.get("hidden_states", args[0] if args else None), kwargs)
+
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(attention_modules(model))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # ----------------------------------------------------------------------------------------------------------------

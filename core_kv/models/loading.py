@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from core_kv.models.packaged import PACKAGED, is_packaged, resolve_model_path
+from core_kv.models.tiny import tiny_lm
 
 TINY = "tiny"
 TINY_LABEL = "tiny random model (not the proxy)"
@@ -136,27 +137,23 @@ def tiny_model(
     attn_implementation: str = "sdpa",
 ) -> nn.Module:
     """A random Llama (GQA) built from config; weights depend only on ``seed``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = tokenizer or tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
-    )
-    config._attn_implementation = attn_implementation
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.eval()
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG is left as it was
+        return tiny_lm(
+            seed=seed,
+            attn_implementation=attn_implementation,
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=True,
+        )
 
 
 def load_model(

@@ -10,14 +10,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core_kv.presses.base import BasePress, ScorerPress, build_press
+from core_kv.presses.base import ScorerPress, build_press
 
 
 @dataclass
-class AdaKVPress(BasePress, name="adakv"):
+class AdaKVPress(ScorerPress, name="adakv"):
     """AdaKV (https://arxiv.org/abs/2407.11550) around any scorer press, kvpress 0.5.5 defaults.
 
-    The inner ``press`` only scores. The layer keeps ``Hkv * n_kept`` positions in total (``n_kept`` from this
+    The inner ``press`` only scores (this press's :meth:`score` is its score, :meth:`select` the per-head budgets
+    below). The layer keeps ``Hkv * n_kept`` positions in total (``n_kept`` from this
     wrapper's ``compression_ratio``/``budget``): every head first keeps its top ``max(1, int(alpha_safeguard *
     n_kept))`` positions, then the globally lowest scores across all heads of the layer are evicted. The
     resulting per-head index lists are stored physically by the framework (a ragged cache: heads grouped by equal

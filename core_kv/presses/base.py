@@ -6,9 +6,10 @@ A press keeps kvpress's scoring contract so methods port both ways (``../shared/
 
 and goes beyond it where kvpress users complain (§6 there):
 
-- **Exact per-head budgets with real savings.** :meth:`BasePress.select` may return a different number of kept
-  positions per KV head; the cache layer is then replaced by a :class:`~core_kv.models.cache.RaggedLayer` (heads
-  grouped by quota, nothing padded) read by an exact per-group attention path, not by fake-key masking.
+- **Exact per-head budgets with real savings.** :meth:`BasePress.compress` (for a scorer, :meth:`ScorerPress.select`)
+  may return a different number of kept positions per KV head; the cache layer is then replaced by a
+  :class:`~core_kv.models.cache.RaggedLayer` (heads grouped by quota, nothing padded) read by an exact per-group
+  attention path, not by fake-key masking.
 - **Budgets** as a ``compression_ratio`` in [0, 1) (fraction removed) or an absolute ``budget`` of tokens per head;
   ``protected_sinks`` first and ``protected_recent`` last positions always kept; a budget >= the context is a no-op.
 - **When to evict.** By default the first forward on an empty cache (prefill) is compressed and later forwards
@@ -19,7 +20,11 @@ and goes beyond it where kvpress users complain (§6 there):
 - **Readout before W_O.** A press that overrides :meth:`BasePress.readout` gets a forward pre-hook on every
   ``o_proj`` and may add to the concatenated per-head attention output ``(B, T, H*D)`` (CORE's latent memory).
 
-Presses register by class statement: ``class SnapKVPress(ScorerPress, name="snapkv")``.
+Two levels, as kvpress's ``base_press.py`` / ``scorer_press.py``: :class:`BasePress` decides *when* to evict (the
+hooks, the budget, the finite-input check, the physical eviction) and asks :meth:`BasePress.compress` *which*
+positions to keep; :class:`ScorerPress` answers that from :meth:`ScorerPress.score` (score -> protect -> select), so
+most methods override ``score`` alone. Presses register by class statement:
+``class SnapKVPress(ScorerPress, name="snapkv")``.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ class BasePress:
     # ------------------------------------------------------------------------------------------------------------
     # What a method overrides
 
-    def score(
+    def compress(
         self,
         module: nn.Module,
         hidden_states: torch.Tensor,
@@ -105,18 +110,18 @@ class BasePress:
         values: torch.Tensor,
         attentions: torch.Tensor | None,
         kwargs: dict,
-    ) -> torch.Tensor:
-        """Importance of every cached position, ``(B, Hkv, S)``, higher = keep (abstract)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement score() (abstract)")
+        n_kept: int,
+        lengths: torch.Tensor | None = None,
+    ) -> Kept:
+        """The positions each KV head keeps at this eviction event (abstract): ``n_kept`` per head (on average, for
+        per-head methods), sorted, protected positions included. ``lengths`` ``(Hkv,)`` marks the valid prefixes of a
+        right-padded ragged cache (``None``: every head holds all ``S``). :class:`ScorerPress` implements it as
+        score -> protect -> select; a press that composes its own selection (TwinKV, TwinRepair) overrides it."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compress() (or derive from ScorerPress)")
 
     def layer_target(self, module: nn.Module, n: int) -> int:
         """Tokens each KV head of this layer keeps (on average) out of ``n``; PyramidKV overrides it per layer."""
         return self.target(n)
-
-    def select(self, scores: torch.Tensor, n_kept: int, module: nn.Module, kwargs: dict) -> Kept:
-        """Turn scores ``(B, Hkv, S)`` into retained indices; per-head top-``n_kept`` by default."""
-        idx = scores.topk(n_kept, dim=-1).indices
-        return idx.sort(dim=-1).values
 
     def readout(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor | None:
         """Optionally replace the pre-W_O attention output ``(B, T, H*D)``; ``None`` leaves it unchanged."""
@@ -159,39 +164,6 @@ class BasePress:
                     f"{type(self).__name__} received NaN/Inf cached {what} to compress (layer {module.layer_idx}): "
                     "the model's hidden states are not finite; check the model's weights, dtype and inputs"
                 )
-
-    def compress(
-        self,
-        module: nn.Module,
-        hidden_states: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attentions: torch.Tensor | None,
-        kwargs: dict,
-        n_kept: int,
-        lengths: torch.Tensor | None = None,
-    ) -> Kept:
-        """Score, protect, select. ``lengths`` ``(Hkv,)`` marks valid prefixes of a right-padded ragged cache.
-
-        Scorers find the valid length of every head in ``kwargs["kv_lengths"]`` ``(Hkv,)`` (all ``S`` for a
-        rectangular cache), so statistics over the cache (means, windows) can ignore the padding.
-        """
-        s = keys.shape[2]
-        lens = torch.full((keys.shape[1],), s, device=keys.device) if lengths is None else lengths.to(keys.device)
-        kwargs = {**kwargs, "kv_lengths": lens}
-        scores = self.score(module, hidden_states, keys, values, attentions, kwargs).float()
-        if scores.shape != keys.shape[:3]:
-            raise ValueError(
-                f"{type(self).__name__}.score returned {tuple(scores.shape)}, expected {tuple(keys.shape[:3])}"
-            )
-        if torch.isnan(scores).any():
-            raise ValueError(f"{type(self).__name__}.score produced NaN scores (layer {module.layer_idx})")
-        pos = torch.arange(s, device=scores.device)
-        sinks, recent = self.protected(n_kept)
-        invalid = pos[None, :] >= lens[:, None]  # (Hkv, S)
-        prot = (pos[None, :] < sinks) | ((pos[None, :] >= lens[:, None] - recent) & ~invalid)
-        scores = scores.masked_fill(prot[None], float("inf")).masked_fill(invalid[None], float("-inf"))
-        return self.select(scores, n_kept, module, kwargs)
 
     # ------------------------------------------------------------------------------------------------------------
     # Hooks
@@ -347,7 +319,59 @@ class BasePress:
 
 @dataclass
 class ScorerPress(BasePress):
-    """A press defined by its ``score`` alone (kvpress's ``ScorerPress``): every head keeps the same count."""
+    """A press defined by its :meth:`score` (kvpress's ``ScorerPress``): at an eviction event :meth:`compress` scores
+    every cached position, forces the protected sinks/recent positions in (and a ragged cache's padding out) and
+    keeps what :meth:`select` picks, per-head top-``n_kept`` by default (AdaKV overrides it for per-head budgets)."""
+
+    def score(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        """Importance of every cached position, ``(B, Hkv, S)``, higher = keep (abstract)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score() (abstract)")
+
+    def select(self, scores: torch.Tensor, n_kept: int, module: nn.Module, kwargs: dict) -> Kept:
+        """Turn scores ``(B, Hkv, S)`` into retained indices; per-head top-``n_kept`` by default."""
+        idx = scores.topk(n_kept, dim=-1).indices
+        return idx.sort(dim=-1).values
+
+    def compress(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+        n_kept: int,
+        lengths: torch.Tensor | None = None,
+    ) -> Kept:
+        """Score, protect, select. ``lengths`` ``(Hkv,)`` marks valid prefixes of a right-padded ragged cache.
+
+        Scorers find the valid length of every head in ``kwargs["kv_lengths"]`` ``(Hkv,)`` (all ``S`` for a
+        rectangular cache), so statistics over the cache (means, windows) can ignore the padding.
+        """
+        s = keys.shape[2]
+        lens = torch.full((keys.shape[1],), s, device=keys.device) if lengths is None else lengths.to(keys.device)
+        kwargs = {**kwargs, "kv_lengths": lens}
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs).float()
+        if scores.shape != keys.shape[:3]:
+            raise ValueError(
+                f"{type(self).__name__}.score returned {tuple(scores.shape)}, expected {tuple(keys.shape[:3])}"
+            )
+        if torch.isnan(scores).any():
+            raise ValueError(f"{type(self).__name__}.score produced NaN scores (layer {module.layer_idx})")
+        pos = torch.arange(s, device=scores.device)
+        sinks, recent = self.protected(n_kept)
+        invalid = pos[None, :] >= lens[:, None]  # (Hkv, S)
+        prot = (pos[None, :] < sinks) | ((pos[None, :] >= lens[:, None] - recent) & ~invalid)
+        scores = scores.masked_fill(prot[None], float("inf")).masked_fill(invalid[None], float("-inf"))
+        return self.select(scores, n_kept, module, kwargs)
 
 
 def build_press(name: str, **kwargs) -> BasePress:

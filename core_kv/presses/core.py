@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core_kv.core_model import CoreModel
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
-from core_kv.indexer import CoreModel
 from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
 from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported
@@ -99,7 +99,7 @@ class CorePress(BasePress, name="core"):
     is allowed. The artifact is checked against the model when the press is entered (refuses another base model).
 
     Args:
-        checkpoint: Folder of a :class:`~core_kv.indexer.CoreModel` artifact (``config.json`` + ``model.safetensors``).
+        checkpoint: Folder of a :class:`~core_kv.core_model.CoreModel` artifact (``config.json`` + ``model.safetensors``).
         protected_sinks: First positions always kept; ``None`` = the artifact's (what it was trained with; CORE.md: 4).
         protected_recent: Last positions always kept; ``None`` = the artifact's (32 for the shipped proxy artifact).
             An explicit value that differs from the artifact's is used, with a warning.

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from core_kv.presses.base import BasePress
 
 
@@ -17,6 +15,3 @@ class FullPress(BasePress, name="full"):
         super().validate()
         if self.compression_ratio != 0.0 or self.budget is not None:
             raise ValueError("the full press keeps everything: leave compression_ratio=0 and budget=None")
-
-    def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-        return torch.zeros(keys.shape[:3], device=keys.device)

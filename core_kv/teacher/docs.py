@@ -15,6 +15,7 @@ from core_kv.features import (
     OBS_WINDOW,
 )
 from core_kv.models.loading import load_model as load_pretrained
+from core_kv.models.tiny import tiny_lm
 from core_kv.teacher.config import DataSpec, ModelSpec
 
 
@@ -30,7 +31,7 @@ def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
     """The frozen model and its tokenizer: a pretrained one through :func:`core_kv.models.loading.load_model` (packaged
     names resolved), or (``random_init``) a config-sized Llama seeded by ``spec_.seed``; ``tokenizer="build"`` builds
     the proxy tokenizer, another path loads that tokenizer instead of the model's own."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from core_kv.models.packaged import resolve_model_path
 
@@ -53,7 +54,9 @@ def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
         tok = AutoTokenizer.from_pretrained(tok_path, revision=spec_.revision or None)
     if spec_.random_init:
         vocab = max(spec_.vocab_size, 64 * math.ceil(len(tok) / 64) if tok is not None else 0)
-        cfg = LlamaConfig(
+        model = tiny_lm(
+            seed=spec_.seed,
+            attn_implementation=spec_.attn_implementation,
             vocab_size=vocab,
             hidden_size=spec_.hidden_size,
             num_hidden_layers=spec_.num_layers,
@@ -61,10 +64,7 @@ def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
             num_key_value_heads=spec_.num_kv_heads,
             intermediate_size=spec_.intermediate_size,
             max_position_embeddings=8192,
-        )
-        cfg._attn_implementation = spec_.attn_implementation
-        torch.manual_seed(spec_.seed)
-        model = LlamaForCausalLM(cfg).to(dtype)
+        ).to(dtype)
     else:  # the adapter's loader: hub ids, local folders, packaged names, its error messages
         model, own_tokenizer = load_pretrained(
             spec_.path, dtype=dtype, attn_implementation=spec_.attn_implementation, revision=spec_.revision or None

@@ -46,14 +46,7 @@ from core_kv.features import (
 )
 from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
 from core_kv.kernels import normalised_beta_b
-from core_kv.models.attention import (
-    _split_qkv,
-    apply_rope,
-    attention_modules,
-    model_dims,
-    prerope_keys,
-    prerope_queries,
-)
+from core_kv.models.attention import attention_inputs, attention_modules, layer_qkv, model_dims, prerope_keys
 from core_kv.teacher.config import TeacherConfig
 from core_kv.teacher.dataset import FORMAT, MANIFEST, ShardWriter, TeacherRecord, config_hash
 from core_kv.teacher.docs import Doc, event_times, load_model, make_docs
@@ -80,20 +73,12 @@ def collect_keys(model: nn.Module, docs: list[Doc], per_head: int, device) -> li
     mods = attention_modules(model)
     keys: dict[int, list[torch.Tensor]] = defaultdict(list)
 
-    def hook(idx):
-        def fn(module, args, kwargs):
-            hs = kwargs.get("hidden_states", args[0] if args else None)
-            keys[idx].append(prerope_keys(module, hs)[0].float().cpu())
+    def keep(layer, module, hidden_states, kwargs):
+        keys[layer].append(prerope_keys(module, hidden_states)[0].float().cpu())
 
-        return fn
-
-    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(mods)]
-    try:
+    with attention_inputs(model, keep):
         for d in docs:
             model.model(input_ids=torch.tensor([d.ids], device=device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
     out = []
     for i in range(len(mods)):
         k = torch.cat(keys[i], dim=1)
@@ -159,18 +144,14 @@ def process_layer(
     device = hidden_states.device
     timer = lambda name: _Timer(rec, name, device)  # noqa: E731
     with timer("capture"):
-        q_pre = prerope_queries(module, hidden_states)  # (1, H, T, D)
-        k_pre = prerope_keys(module, hidden_states)  # (1, Hkv, T, D)
-        t_len, hkv, d = k_pre.shape[2], k_pre.shape[1], k_pre.shape[3]
-        v = _split_qkv(module, hidden_states)[2].view(1, t_len, hkv, d).transpose(1, 2)[0]  # (Hkv, T, D)
-        q_post = apply_rope(module, q_pre, position_embeddings)[0].float()  # (H, T, D)
-        k_post = apply_rope(module, k_pre, position_embeddings)[0].float()  # (Hkv, T, D)
-        q_pre, k_pre = q_pre[0].float(), k_pre[0].float()
-        g = q_pre.shape[0] // hkv
+        qkv = layer_qkv(module, hidden_states, position_embeddings)
+        q_pre, k_pre, v, q_post, k_post = qkv.q_pre, qkv.k_pre, qkv.v, qkv.q_post, qkv.k_post  # (H|Hkv, T, D)
+        hkv, t_len, d = k_pre.shape
+        g = qkv.groups
         z = geometry.project(layer, k_pre)  # (Hkv, T, d_z)
         phi = geometry.nystrom(layer, z)  # (Hkv, T, M)
         protos = geometry.prototypes[layer].to(z)
-        scaling = float(getattr(module, "scaling", d**-0.5))
+        scaling = qkv.scaling
     persistence = torch.full((hkv, t_len), float("nan"), device=device)
     times = event_times(t_len, doc.qa_start, cfg.chunk_size)
     for e, t_e in enumerate(times):
@@ -250,17 +231,15 @@ def record_metrics(cfg: TeacherConfig, pi_u, phi, p_star, n: int, rec: Recorder)
 # Run
 
 
-def _hooks(cfg, model, doc, geometry, rec, writer):
-    def make(idx):
-        def fn(module, args, kwargs):
-            hs = kwargs.get("hidden_states", args[0] if args else None)
-            t0 = time.perf_counter()
-            process_layer(cfg, module, idx, hs, kwargs["position_embeddings"], doc, geometry, rec, writer)
-            rec.time["_in_hooks"] += time.perf_counter() - t0
+def _layer_hook(cfg, doc, geometry, rec, writer):
+    """What runs before each attention module's forward: the layer's events (timed as ``_in_hooks``)."""
 
-        return fn
+    def fn(layer, module, hidden_states, kwargs):
+        t0 = time.perf_counter()
+        process_layer(cfg, module, layer, hidden_states, kwargs["position_embeddings"], doc, geometry, rec, writer)
+        rec.time["_in_hooks"] += time.perf_counter() - t0
 
-    return [m.register_forward_pre_hook(make(i), with_kwargs=True) for i, m in enumerate(attention_modules(model))]
+    return fn
 
 
 def run_teacher(cfg: TeacherConfig) -> dict:
@@ -314,14 +293,10 @@ def run_teacher(cfg: TeacherConfig) -> dict:
     bar = tqdm(docs, desc=f"teacher[{rank}]", disable=not cfg.progress or not state.is_local_main_process)
     with torch.inference_mode():
         for doc in bar:
-            handles = _hooks(cfg, model, doc, geometry, rec, writer)
-            try:
+            with attention_inputs(model, _layer_hook(cfg, doc, geometry, rec, writer)):
                 t0 = time.perf_counter()
                 model.model(input_ids=torch.tensor([doc.ids], device=device), use_cache=False)
                 rec.time["_forward_total"] += time.perf_counter() - t0
-            finally:
-                for h in handles:
-                    h.remove()
             rec.tokens += len(doc.ids)
             bar.set_postfix(tokens=rec.tokens, events=rec.events)
     shards = writer.close()

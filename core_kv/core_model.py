@@ -1,0 +1,224 @@
+"""The CORE artifact, PreTrainedModel-style (CORE.md stages 2–4): :class:`CoreConfig` + :class:`CoreModel`.
+
+:class:`CoreModel` (``checkpoints/<run>/final/``) is ``config.json`` + ``model.safetensors`` with the indexer
+(:mod:`core_kv.indexer`), the temperatures, the latent memory and gate (:mod:`core_kv.memory`), the stage-0 geometry,
+the feature statistics and the base-model fingerprint. Load it offline with ``CoreModel.from_pretrained(path)``; pass
+``base_model=`` to refuse a different base model (layers, heads, head dim or weights digest) with a clear error.
+
+Shapes: L layers, H query heads, Hkv KV heads, D head dim, F = 14 features, d_z projected key dim, M prototypes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from core_kv.features import spec
+from core_kv.indexer import CoreIndexer
+from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
+from core_kv.teacher.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
+
+ARTIFACT_VERSION = 1
+
+
+class CoreConfig(PretrainedConfig):
+    """Geometry of the base model and the CORE settings an artifact was trained with.
+
+    Args:
+        num_layers, num_heads, num_kv_heads, head_dim: Base-model attention geometry.
+        d_z, num_prototypes: Stage-0 geometry sizes (paper: 64, 64).
+        memory_dim: P (512, paper Table 9).
+        write_rule: ``mass`` | ``equal_event`` | ``uniform_token`` (CORE.md stage 4).
+        protected_sinks, protected_recent: Tokens always kept at an event (inside B).
+        chunk_size: Prefill chunk the indexer was trained on.
+        fingerprint: :func:`~core_kv.teacher.geometry.model_fingerprint` of the base model.
+        feature_spec: :func:`core_kv.features.spec` at training time.
+        teacher: The teacher's parameters (λ, R0, …) from its manifest.
+    """
+
+    model_type = "core_kv"
+
+    def __init__(
+        self,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        head_dim: int = 16,
+        d_z: int = 16,
+        num_prototypes: int = 64,
+        memory_dim: int = MEMORY_DIM,
+        write_rule: str = "mass",
+        protected_sinks: int = 4,
+        protected_recent: int = 32,
+        chunk_size: int = 512,
+        fingerprint: dict | None = None,
+        feature_spec: dict | None = None,
+        teacher: dict | None = None,
+        artifact_version: int = ARTIFACT_VERSION,
+        **kwargs,
+    ):
+        if write_rule not in WRITE_RULES:
+            raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {write_rule!r}")
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = (
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        self.d_z, self.num_prototypes, self.memory_dim, self.write_rule = d_z, num_prototypes, memory_dim, write_rule
+        self.protected_sinks, self.protected_recent, self.chunk_size = protected_sinks, protected_recent, chunk_size
+        self.fingerprint = fingerprint or {}
+        self.feature_spec = feature_spec or spec()
+        self.teacher = teacher or {}
+        self.artifact_version = artifact_version
+        super().__init__(**kwargs)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, geometry: Geometry, **kwargs) -> CoreConfig:
+        """A config matching ``model`` (dims and fingerprint) and ``geometry`` (d_z, M)."""
+        fp = model_fingerprint(model)
+        return cls(
+            num_layers=fp["layers"], num_heads=fp["heads"], num_kv_heads=fp["kv_heads"], head_dim=fp["head_dim"],
+            d_z=geometry.proj.shape[-2], num_prototypes=geometry.num_prototypes, fingerprint=fp, **kwargs,
+        )  # fmt: skip
+
+
+class CorePreTrainedModel(PreTrainedModel):
+    config_class = CoreConfig
+    base_model_prefix = "core"
+    main_input_name = "features"
+
+    def _init_weights(self, module: nn.Module) -> None:  # weights are initialised by the modules themselves
+        pass
+
+
+class CoreModel(CorePreTrainedModel):
+    """The CORE artifact: indexer + temperatures + latent memory/gate + geometry + feature statistics.
+
+    Example::
+
+        core = CoreModel.from_pretrained("checkpoints/core-proxy/final", base_model=model)
+        s = core.indexer.scores(layer, features)                  # (Hkv, N)
+        p = core.indexer.distribution(layer, s)                   # calibrated
+        state = core.memory.write(state, layer, k_pre, v, write_weights(p, evicted, core.config.write_rule))
+    """
+
+    def __init__(self, config: CoreConfig):
+        super().__init__(config)
+        c = config
+        self.indexer = CoreIndexer(c.num_layers, c.num_kv_heads)
+        self.memory = LatentMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim)
+        m = c.num_prototypes
+        self.register_buffer("geo_mean", torch.zeros(c.num_layers, c.num_kv_heads, c.head_dim))
+        self.register_buffer("geo_proj", torch.zeros(c.num_layers, c.num_kv_heads, c.d_z, c.head_dim))
+        self.register_buffer("geo_prototypes", torch.zeros(c.num_layers, c.num_kv_heads, m, c.d_z))
+        self.register_buffer("geo_gamma", torch.ones(c.num_layers, c.num_kv_heads))
+        self.register_buffer("geo_kmm_inv_sqrt", torch.zeros(c.num_layers, c.num_kv_heads, m, m))
+        self.post_init()
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Geometry and statistics
+
+    @torch.no_grad()
+    def set_geometry(self, geometry: Geometry) -> None:
+        check_fingerprint(geometry.fingerprint, self.config.fingerprint, "geometry")
+        for name in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt"):
+            src, dst = getattr(geometry, name), getattr(self, f"geo_{name}")
+            if src.shape != dst.shape:
+                raise ValueError(f"geometry {name} {tuple(src.shape)} vs artifact {tuple(dst.shape)}")
+            dst.copy_(src)
+
+    def geometry(self) -> Geometry:
+        """The stage-0 geometry stored in the artifact (the features need it)."""
+        t = [getattr(self, f"geo_{k}").detach() for k in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt")]
+        return Geometry(*t, fingerprint=dict(self.config.fingerprint))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Base-model checks
+
+    def check_base_model(self, model: nn.Module) -> None:
+        """Raise :class:`~core_kv.teacher.geometry.FingerprintMismatch` if ``model`` is not the base it was trained on.
+
+        Layers, heads, KV heads, head dim and the key-projection digest must all match; the name/revision may
+        differ (a local copy of the same weights is fine).
+        """
+        fp = model_fingerprint(model)
+        stored = dict(self.config.fingerprint)
+        keys = ("layers", "heads", "kv_heads", "head_dim", "model_type", "k_proj_digest")
+        check_fingerprint({k: stored.get(k) for k in keys}, {k: fp.get(k) for k in keys}, "CORE checkpoint")
+
+    @classmethod
+    def from_pretrained(cls, path, *args, base_model: nn.Module | None = None, **kwargs) -> CoreModel:
+        """Load an artifact folder offline; with ``base_model`` also check it matches (clear error if not).
+
+        A local folder is checked first, naming the file: ``config.json``'s settings (counts, protected positions,
+        write rule) and every tensor of ``model.safetensors`` (present, the shape the config implies, finite).
+        """
+        kwargs.setdefault("local_files_only", True)
+        if Path(path).is_dir():
+            check_artifact(Path(path))
+        core = super().from_pretrained(path, *args, **kwargs)
+        if core.config.artifact_version != ARTIFACT_VERSION:
+            raise ValueError(f"{path}: artifact v{core.config.artifact_version}, this code reads v{ARTIFACT_VERSION}")
+        if core.config.feature_spec.get("version") != spec()["version"]:
+            raise ValueError(
+                f"{path}: trained on feature spec v{core.config.feature_spec.get('version')}, this code computes "
+                f"v{spec()['version']}; retrain with `accelerate launch train.py`"
+            )
+        if base_model is not None:
+            core.check_base_model(base_model)
+        return core.eval()
+
+    def num_parameters_by_part(self) -> dict:
+        return {
+            "indexer": sum(p.numel() for p in self.indexer.parameters()),
+            "memory": sum(p.numel() for p in self.memory.parameters()),
+        }
+
+
+def check_artifact(path: Path) -> None:
+    """Raise ``ValueError`` naming the file when an artifact folder's config or tensors are unusable."""
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    try:
+        config = CoreConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{cfg_file}: invalid CORE config ({e})") from e
+    for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_z", "num_prototypes", "memory_dim",
+                 "chunk_size", "protected_sinks", "protected_recent"):  # fmt: skip
+        v, low = getattr(config, name, None), 0 if name.startswith("protected") else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{cfg_file}: {name} must be an integer >= {low}, got {v!r}")
+    if config.num_heads % config.num_kv_heads:
+        raise ValueError(f"{cfg_file}: num_heads ({config.num_heads}) must be a multiple of num_kv_heads")
+    if not weights.is_file():
+        return  # a sharded or hub layout: transformers reports what is missing
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in CoreModel(config).state_dict().items()}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            stored = set(f.keys())
+            for key in sorted(stored & set(expected)):
+                t = f.get_tensor(key)
+                if tuple(t.shape) != expected[key]:
+                    raise ValueError(
+                        f"{weights}: tensor {key} has shape {tuple(t.shape)}, {cfg_file.name} implies {expected[key]}"
+                    )
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise ValueError(f"{weights}: tensor {key} holds NaN/Inf values (a corrupt or diverged artifact)")
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors' own errors (truncated file, bad header) name no path
+        raise ValueError(f"{weights}: unreadable ({type(e).__name__}: {e})") from e
+    missing, extra = sorted(set(expected) - stored), sorted(stored - set(expected))
+    if missing or extra:
+        raise ValueError(
+            f"{weights}: missing tensors {missing[:5]}, unexpected tensors {extra[:5]} for {cfg_file.name}"
+        )
+
+
+__all__ = ["ARTIFACT_VERSION", "CoreConfig", "CoreModel", "FingerprintMismatch", "check_artifact"]

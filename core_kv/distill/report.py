@@ -1,0 +1,62 @@
+"""The distillation run's reports: the console summary and ``<out_dir>/report.md`` (the tables of ``docs/results.md``)."""
+
+from __future__ import annotations
+
+
+def format_summary(summary: dict) -> str:
+    lines = ["CORE stage 2 — distillation, calibration, memory (held-out documents)"]
+    for tag, r in summary["eval"].items():
+        lines.append(
+            f"  {tag}: KL {r['kl_student_candidates']:.4f} (student cands) / {r['kl_full_candidates']:.4f} (full); "
+            f"Top-B overlap {100 * r['topb_overlap_student_candidates']:.1f}% / {100 * r['topb_overlap_full_candidates']:.1f}%"
+        )
+        lines.append(
+            f"        |α − ε̂| {r['calibration_error_T1']:.4f} (T=1) -> {r['calibration_error_T']:.4f} (calibrated); "
+            f"rel. err. retained-only {r['retained_only_rel_err']:.4f} -> with memory {r['memory_rel_err']:.4f}"
+        )
+        for name, v in r["table7"].items():
+            lines.append(f"        Table 7 {name:>8}: U_B {v['U_B']:.4f}  C_B {v['C_B']:.4f}  J_B {v['J_B']:.4f}")
+    dp = summary["timing"].get("deployment_parts")
+    if dp:
+        lines.append(
+            "  time per document (press-like pass): "
+            + ", ".join(f"{k} {100 * v:.1f}%" for k, v in dp["share"].items())
+            + f"; outside the base forward {100 * dp['outside_base_forward']:.1f}%"
+        )
+    lines.append(f"  artifact: {summary['artifact']}  ({summary['wall_s']:.0f} s)")
+    return "\n".join(lines)
+
+
+def distill_report_markdown(summary: dict) -> str:
+    """The summary as the markdown tables of ``docs/results.md`` (also written to ``<out_dir>/report.md``)."""
+    ev, lines = summary["eval"], []
+    lines += ["| ratio | candidates | KL(p* ‖ softmax s) | Top-B overlap (free picks) |", "|---|---|---|---|"]
+    for tag, r in ev.items():
+        for pol, name in (("student", "student's own retained sets"), ("full", "full cache (teacher protocol)")):
+            lines.append(f"| {tag[1:]}% | {name} | {r[f'kl_{pol}_candidates']:.4f} | "
+                         f"{100 * r[f'topb_overlap_{pol}_candidates']:.1f}% |")  # fmt: skip
+    lines += ["", "| ratio | selector | U_B | C_B | J_B | J_B / teacher |", "|---|---|---|---|---|---|"]
+    for tag, r in ev.items():
+        t7 = r["table7"]
+        ref = t7.get("teacher", {}).get("J_B", float("nan"))
+        for name in ("utility", "student", "teacher", "greedy"):
+            if name in t7:
+                v = t7[name]
+                lines.append(f"| {tag[1:]}% | {name} | {v['U_B']:.4f} | {v['C_B']:.4f} | {v['J_B']:.4f} | "
+                             f"{100 * v['J_B'] / ref:.2f}% |")  # fmt: skip
+    cal = summary["calibration"]
+    lines += ["", f"Temperatures T_l: {', '.join(f'{t:.3f}' for t in cal['temperature'])} "
+              f"(fit on {cal['docs']} held-out documents; mean |α − ε̂| {cal['before']:.4f} → {cal['after']:.4f}).", ""]  # fmt: skip
+    lines += ["| ratio | mean α | \|α − ε̂\| at T = 1 | at T_l | rel. error retained-only | with memory | "
+              "\|g − α\| |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for tag, r in ev.items():
+        lines.append(f"| {tag[1:]}% | {r['mean_true_evicted_mass']:.4f} | {r['calibration_error_T1']:.4f} | "
+                     f"{r['calibration_error_T']:.4f} | {r['retained_only_rel_err']:.4f} | {r['memory_rel_err']:.4f} | "
+                     f"{r['gate_abs_err_vs_alpha']:.4f} |")  # fmt: skip
+    lines += ["", "| pass | part | seconds | share |", "|---|---|---|---|"]
+    tm = summary["timing"]
+    for name in ("deployment_parts", "indexer", "memory"):
+        if name in tm:
+            for k, v in tm[name]["seconds"].items():
+                lines.append(f"| {name} | {k} | {v:.2f} | {100 * tm[name]['share'][k]:.1f}% |")
+    return "\n".join(lines) + "\n"
