@@ -42,22 +42,37 @@ def register_core_mix():
 
     @dataclass
     class CoreMixPress(CorePress, name="core_mix"):
-        """``core`` with ``other``'s scores (``keydiff`` / ``expected_attention``) in the layers ``other_layers``."""
+        """``core`` with ``other``'s scores (``keydiff`` / ``expected_attention``, or ``feature:<name>``: one of the
+        indexer's own input features, e.g. ``feature:novelty``) in the layers ``other_layers``."""
 
         other: str = "keydiff"
         other_layers: list = field(default_factory=list)
 
         def validate(self) -> None:
             super().validate()
-            if self.other not in ("keydiff", "expected_attention"):
-                raise ValueError(f"core_mix: other must be keydiff or expected_attention, got {self.other!r}")
+            from core_kv.features import FEATURE_NAMES
             from core_kv.presses.base import build_press
 
-            self._mix_inner = build_press(self.other)
+            if self.other.startswith("feature:"):
+                if self.other[8:] not in FEATURE_NAMES:
+                    raise ValueError(f"core_mix: unknown feature {self.other[8:]!r}; features: {FEATURE_NAMES}")
+                self._mix_inner = FEATURE_NAMES.index(self.other[8:])
+            elif self.other in ("keydiff", "expected_attention"):
+                self._mix_inner = build_press(self.other)
+            else:
+                raise ValueError(f"core_mix: other must be keydiff, expected_attention or feature:<name>, got {self.other!r}")
 
         def _event(self, module, st, keys, values, hidden_states, kwargs, b):
             if module.layer_idx not in self.other_layers:
                 return super()._event(module, st, keys, values, hidden_states, kwargs, b)
+            if isinstance(self._mix_inner, int):  # one raw feature as the score (before standardisation)
+                indexer, col = self.core.indexer, self._mix_inner
+                original = indexer.scores
+                indexer.scores = lambda layer, f: f[..., col].float()
+                try:
+                    return super()._event(module, st, keys, values, hidden_states, kwargs, b)
+                finally:
+                    indexer.scores = original
             saved = self.allocation, self._inner
             self.allocation, self._inner = self.other, self._mix_inner
             try:
@@ -71,7 +86,7 @@ def register_core_mix():
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=True)
     ap.add_argument("--checkpoint", required=True, help="CORE artifact folder")
-    ap.add_argument("--other", default="keydiff", choices=["keydiff", "expected_attention"])
+    ap.add_argument("--other", default="keydiff", help="keydiff, expected_attention or feature:<name> (features.py)")
     ap.add_argument("--other-layers", default="", help="layers that use --other's scores, e.g. 0-3,8")
     args, rest = ap.parse_known_args(argv)
     register_core_mix()
