@@ -19,6 +19,10 @@ and goes beyond it where kvpress users complain (§6 there):
   :mod:`core_kv.pipeline` uses it), so later chunks attend to the compressed past.
 - **Readout before W_O.** A press that overrides :meth:`BasePress.readout` gets a forward pre-hook on every
   ``o_proj`` and may add to the concatenated per-head attention output ``(B, T, H*D)`` (CORE's latent memory).
+- **Stateful presses** use public extension points, not the private hooks: :meth:`BasePress.install` /
+  :meth:`BasePress.uninstall` (extra hooks), :meth:`BasePress.before_forward` / :meth:`BasePress.after_forward`
+  (per-forward bookkeeping), :attr:`BasePress.evicts` and :meth:`BasePress.eviction_target` (when and to what size
+  to evict), :meth:`BasePress.compress` (what to keep) and :meth:`BasePress.readout`.
 
 Two levels, as kvpress's ``base_press.py`` / ``scorer_press.py``: :class:`BasePress` decides *when* to evict (the
 hooks, the budget, the finite-input check, the physical eviction) and asks :meth:`BasePress.compress` *which*
@@ -132,6 +136,37 @@ class BasePress:
         return 0
 
     # ------------------------------------------------------------------------------------------------------------
+    # Extension points for stateful presses (CORE uses them as any press would)
+
+    def install(self, model: nn.Module) -> list:
+        """Extra hooks the press needs beyond the attention hooks (e.g. on ``q_proj``); returns their handles, which
+        :meth:`__call__` removes on exit, whatever happens."""
+        return []
+
+    def uninstall(self, model: nn.Module) -> None:
+        """Undo per-model side effects of :meth:`install` other than the hooks (called on exit, whatever happens)."""
+
+    def before_forward(self, module: nn.Module, hidden_states: torch.Tensor, cache, kwargs: dict) -> None:
+        """Called before every attention forward, after the per-layer bookkeeping: ``layer_state[idx]["empty_before"]``
+        says whether the layer's cache was empty (a new context)."""
+
+    def after_forward(self, module: nn.Module, hidden_states: torch.Tensor, cache, kwargs: dict) -> None:
+        """Called after every attention forward of a press that :attr:`evicts`, before the eviction decision."""
+
+    @property
+    def evicts(self) -> bool:
+        """Whether the press can evict at all in this configuration (the no-op press without decoding cannot)."""
+        return not (self.is_noop and not self.decoding)
+
+    def eviction_target(self, module: nn.Module, seen: int, prefill: bool) -> int:
+        """Tokens per KV head an event keeps after a forward: :meth:`layer_target` of the ``seen`` tokens at a
+        prefill/chunk event; ``budget`` or :meth:`target` of them for a decode-time event (``decoding=True``), which
+        triggers once the layer holds more than this + ``decoding_slack``."""
+        if prefill:
+            return self.layer_target(module, seen)
+        return self.budget if self.budget is not None else self.target(seen)
+
+    # ------------------------------------------------------------------------------------------------------------
     # Budget arithmetic
 
     def target(self, n: int) -> int:
@@ -183,6 +218,7 @@ class BasePress:
         if empty:
             st["seen"] = 0
         st["empty_before"] = empty
+        self.before_forward(module, kwargs.get("hidden_states", args[0] if args else None), cache, kwargs)
 
     def _post_hook(self, module: nn.Module, args, kwargs, output):
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
@@ -190,19 +226,20 @@ class BasePress:
         idx = module.layer_idx
         st = self._state[idx]
         st["seen"] += hidden_states.shape[1]
-        if self.is_noop and not self.decoding:
+        if not self.evicts:
             return output
+        self.after_forward(module, hidden_states, cache, kwargs)
         layer = cache.layers[idx]
         lengths = layer_lengths(layer)
         size = int(lengths.max())
         if self._mode == "prefill" or st["empty_before"]:
             # the budget is a share of every token this layer has seen (chunked prefill: of the context so far),
             # not of the already-compressed cache plus the new chunk
-            n_kept = min(self.layer_target(module, st["seen"]), size)
+            n_kept = min(self.eviction_target(module, st["seen"], prefill=True), size)
             if n_kept >= size and int(lengths.min()) == size:
                 return output
         elif self.decoding:
-            base = self.budget if self.budget is not None else self.target(st["seen"])
+            base = self.eviction_target(module, st["seen"], prefill=False)
             # per-head budgets: trigger on the average head (the budget is an average), not the longest head,
             # which per-head allocation routinely puts above base + slack (it re-evicted on every step)
             if int(lengths.sum()) <= lengths.numel() * (base + self.decoding_slack):
@@ -263,6 +300,7 @@ class BasePress:
         self._mode = "auto"
         overrides_readout = type(self).readout is not BasePress.readout
         try:
+            handles += self.install(model)
             for layer in layers:
                 attn = layer.self_attn
                 handles.append(attn.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
@@ -278,6 +316,7 @@ class BasePress:
                 h.remove()
             for layer in layers:
                 layer.self_attn.o_proj.__dict__.pop("_core_kv_attn", None)
+            self.uninstall(model)
             self._mode = "auto"
 
     def on_enter(self, model: nn.Module) -> None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -50,7 +49,7 @@ from core_kv.core_model import CoreModel
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
 from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
 from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
-from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported
+from core_kv.models.cache import RaggedLayer
 from core_kv.presses.base import BasePress
 from core_kv.teacher.metrics import protected_mask, top_free
 
@@ -276,15 +275,12 @@ class CorePress(BasePress, name="core"):
     # ------------------------------------------------------------------------------------------------------------
     # Hooks
 
-    def _pre_hook(self, module: nn.Module, args, kwargs):
-        super()._pre_hook(module, args, kwargs)
+    def before_forward(self, module: nn.Module, hs: torch.Tensor, cache, kwargs: dict) -> None:
         if self.is_noop:
             return
         idx = module.layer_idx
-        hs = kwargs.get("hidden_states", args[0] if args else None)
         if hs.shape[0] != 1:
             raise ValueError(f"{self.name} supports batch size 1 (the pipeline's protocol)")
-        cache = cache_from_kwargs(kwargs)
         layer = cache.layers[idx] if idx < len(cache.layers) else None
         st = self._layers.get(idx)
         if st is None or self._state[idx]["empty_before"]:
@@ -336,22 +332,19 @@ class CorePress(BasePress, name="core"):
         wpos = torch.cat([st["wpos"], fwd["pos"]])
         st["wq_pre"], st["wpos"] = wq_pre[:, -OBS_WINDOW:], wpos[-OBS_WINDOW:]  # post-RoPE recomputed at events
 
-    @contextmanager
-    def __call__(self, model: nn.Module):
-        """:meth:`BasePress.__call__` plus a forward hook on every ``q_proj`` (removed on exit, whatever happens)."""
+    def install(self, model: nn.Module) -> list:
+        """A forward hook on every ``q_proj`` (``qkv_proj`` for Phi3): the queries of each forward."""
+        if self.is_noop:
+            return []
         handles = []
-        try:
-            if not self.is_noop:
-                for attn in attention_modules(model):
-                    proj = attn.qkv_proj if hasattr(attn, "qkv_proj") else attn.q_proj
-                    handles.append(proj.register_forward_hook(partial(self._q_hook, attn)))
-            with super().__call__(model) as press:
-                yield press
-        finally:
-            for h in handles:
-                h.remove()
-            for attn in attention_modules(model):
-                attn.__dict__.pop(LSE_SINK, None)
+        for attn in attention_modules(model):
+            proj = attn.qkv_proj if hasattr(attn, "qkv_proj") else attn.q_proj
+            handles.append(proj.register_forward_hook(partial(self._q_hook, attn)))
+        return handles
+
+    def uninstall(self, model: nn.Module) -> None:
+        for attn in attention_modules(model):
+            attn.__dict__.pop(LSE_SINK, None)
 
     def _fresh(self, module: nn.Module, device) -> dict:
         hkv = module.config.num_key_value_heads
@@ -368,44 +361,39 @@ class CorePress(BasePress, name="core"):
             "shadow": None,  # (keys, values) of every evicted entry, only with log_certificate
         }
 
-    def _post_hook(self, module: nn.Module, args, kwargs, output):
+    @property
+    def evicts(self) -> bool:  # type: ignore[override]
+        return not self.is_noop
+
+    def after_forward(self, module: nn.Module, hs: torch.Tensor, cache, kwargs: dict) -> None:
+        """Bookkeeping of the new entries, deferred to the next event (or trim): a step without an event adds no
+        tensor work beyond this (decode-time eviction costs nothing on the steps where nothing is evicted)."""
         idx = module.layer_idx
-        st_base = self._state[idx]
-        hs = kwargs.get("hidden_states", args[0] if args else None)
-        st_base["seen"] += hs.shape[1]
-        if self.is_noop:
-            return output
         st = self._layers[idx]
         fwd = st.pop("fwd")
-        cache = cache_from_kwargs(kwargs)
         layer = cache.layers[idx]
         if isinstance(layer, RaggedLayer):
             raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
-        size = layer.keys.shape[2]
-        t = hs.shape[1]
-        # bookkeeping of the new entries is deferred to the next event (or trim): a step without an event adds no
-        # tensor work beyond this (decode-time eviction costs nothing on the steps where nothing is evicted)
         st["pending"].append(fwd["pos"])
-        st["n_pending"] += t
+        st["n_pending"] += hs.shape[1]
         st["next"] = max(st["next"], int(fwd["pos"].max()) + 1)
         tracked = st["pos"].shape[1] + st["n_pending"]
-        if tracked != size:
-            raise RuntimeError(f"layer {idx}: tracked {tracked} cached entries, the cache holds {size}")
-        n_kept = self.event_budget(st["next"], layer.keys.element_size())
-        if self._mode == "prefill" or st_base["empty_before"]:
-            if n_kept >= size:
-                return output
-        elif self.decoding:
-            if size <= n_kept + self.decoding_slack:
-                return output
-        else:
-            return output
-        check_cache_supported(cache)
-        self.check_inputs(module, layer.keys, layer.values)
+        if tracked != layer.keys.shape[2]:
+            raise RuntimeError(f"layer {idx}: tracked {tracked} cached entries, the cache holds {layer.keys.shape[2]}")
+        st["element_size"] = layer.keys.element_size()
+
+    def eviction_target(self, module: nn.Module, seen: int, prefill: bool) -> int:
+        """:meth:`event_budget` of the positions processed so far, at prefill/chunk and decode-time events alike."""
+        st = self._layers[module.layer_idx]
+        return self.event_budget(st["next"], st["element_size"])
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs, n_kept, lengths=None) -> torch.Tensor:
+        """Features -> p -> Top-B (protected positions in) -> write the evicted entries -> kept indices (1, Hkv, B)."""
+        if lengths is not None:
+            raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
+        st = self._layers[module.layer_idx]
         self._materialize(st)
-        kept = self._event(module, st, layer.keys, layer.values, hs, kwargs, n_kept)
-        self._apply(cache, idx, layer.keys, layer.values, kept[None])
-        return output
+        return self._event(module, st, keys, values, hidden_states, kwargs, n_kept)[None]
 
     @staticmethod
     def _materialize(st: dict) -> None:
