@@ -330,3 +330,13 @@ def test_corrupt_newest_state_falls_back_to_an_older_one(tmp_path, teacher_dir, 
     with pytest.warns(UserWarning, match="step_000002"):
         run(tiny_args(out, teacher_dir))
     assert_same(weights(out), weights(reference))
+
+
+def test_calibration_has_no_dead_docs_option():
+    """``calibration.docs`` was never read (the stage uses ``calib_docs``): setting it must fail, not do nothing."""
+    from core_kv.config import load_config
+    from core_kv.distill.config import TrainConfig
+
+    with pytest.raises(ValueError, match="docs"):
+        load_config(TrainConfig, ["calibration.docs=4"])
+    assert load_config(TrainConfig, ["calib_docs=3"]).calib_docs == 3

@@ -62,15 +62,14 @@ class IndexerStage:
 
 @dataclass
 class CalibrationStage:
-    """Stage 3: one temperature per layer on held-out documents (golden-section on log T)."""
+    """Stage 3: one temperature per layer on held-out documents (golden-section on log T); how many documents is
+    :attr:`TrainConfig.calib_docs`."""
 
-    docs: int = 8
     log_t_min: float = -4.0
     log_t_max: float = 4.0
     grid: int = 161
 
     def check(self, prefix: str = "calibration.") -> None:
-        check_options(self, prefix, ("docs",))
         if self.grid < 2:
             raise ValueError(f"{prefix}grid must be >= 2 (points of the log T grid), got {self.grid}")
         if not self.log_t_min < self.log_t_max:
