@@ -144,3 +144,16 @@ def to_dict(cfg: Any) -> dict:
     if dataclasses.is_dataclass(cfg):
         return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
     return dict(cfg)
+
+
+def parse_layers(text: str, what: str = "layers") -> list[int]:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]`` (sorted, unique); an empty string is no layer. ``what`` names the option in
+    the error a malformed range raises."""
+    out: list[int] = []
+    for part in filter(None, str(text).replace(" ", "").split(",")):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"{what} expects layer ranges like 0-3,8; got {text!r}")
+        out += range(int(lo), int(hi or lo) + 1)
+    return sorted(set(out))
+

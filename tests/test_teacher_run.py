@@ -168,3 +168,29 @@ def test_hf_documents_keep_question_and_answer(tmp_path):
         5,
     ]  # "Question: what?"
     assert short.ids == [1, 5, 1, 1] and short.qa_start == 1
+
+
+def test_per_layer_lambda_moves_only_its_layers(one_proc, tmp_path):
+    """``lam_layers={"1": 4.0}`` over a run at λ = 1: layer 0's p* is bit-identical to the run without overrides,
+    layer 1's moves further from π_U (more coverage weight); the manifest records the overrides; bad maps raise."""
+    out1, _ = one_proc
+    out2 = tmp_path / "lam_layers"
+    out2.mkdir()
+    shutil.copy(out1 / "geometry.safetensors", out2 / "geometry.safetensors")
+    main([*TINY, f"out_dir={out2}", "lam_layers={'1': 4.0}", "metrics=false"])
+    ds1, ds2 = TeacherDataset(out1), TeacherDataset(out2)
+    assert ds2.manifest["teacher"]["lam_layers"] == {"1": 4.0} and "lam_layers" not in ds1.manifest["teacher"]
+    tv1, tv2 = [], []
+    for a, b in zip(ds1.records(), ds2.records(), strict=True):
+        assert a.key == b.key
+        torch.testing.assert_close(a.pi_u, b.pi_u, atol=0, rtol=0)
+        if b.layer == 0:
+            torch.testing.assert_close(a.p_star, b.p_star, atol=0, rtol=0)
+        else:
+            tv1.append(0.5 * (a.p_star - a.pi_u).abs().sum(-1))
+            tv2.append(0.5 * (b.p_star - b.pi_u).abs().sum(-1))
+    assert (torch.cat(tv2) > torch.cat(tv1)).all()
+    assert load_config(TeacherConfig, [*TINY, "lam_layers={'1': 4.0}"]).lam_at(1) == 4.0
+    for bad in ("{'0-1': 2.0, '1': 3.0}", "{'3-1': 2.0}", "{'1': -1.0}", "{'a': 1.0}"):
+        with pytest.raises(ValueError, match="lam_layers"):
+            load_config(TeacherConfig, [*TINY, f"lam_layers={bad}"])

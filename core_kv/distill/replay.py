@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from torch import nn
 from core_kv.budget import budget_split
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
 from core_kv.models.attention import LayerQKV, attention_inputs, attention_modules, layer_qkv
+from core_kv.teacher.config import layer_lam
 from core_kv.teacher.geometry import Geometry
 from core_kv.teacher.metrics import protected_mask, top_free
 from core_kv.teacher.solver import solve_allocation
@@ -100,6 +101,7 @@ class ReplaySpec:
     protected_recent: int = 32
     qa_weight: float = 0.5
     lam: float = 1.0
+    lam_layers: dict = field(default_factory=dict)  # per-layer λ overrides (TeacherConfig.lam_layers)
     steps: int = 8
     eta: float | str = "auto"
     policy: str = "student"
@@ -202,7 +204,10 @@ def replay_layer(
                     u = future_utility(qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw)
                     pi_u = normalise(u.gather(1, cand).double())  # (Hkv, N)
                     if spec.targets:
-                        p_star, _ = solve_allocation(pi_u, phi[heads, cand].double(), spec.lam, spec.steps, spec.eta)
+                        p_star, _ = solve_allocation(
+                            pi_u, phi[heads, cand].double(), layer_lam(spec.lam, spec.lam_layers, layer), spec.steps,
+                            spec.eta,
+                        )  # fmt: skip
         b, s, w = budget_split(t_e, spec.ratio, spec.protected_sinks, spec.protected_recent)
         prot = protected_mask(n, min(s, n), min(w, max(n - s, 0)), device=dev)
         if spec.policy == "full" or n <= b:

@@ -188,7 +188,7 @@ class Trainer:
         self.geometry = self.core.geometry()
         self.spec = ReplaySpec(
             chunk_size=t["chunk_size"], protected_sinks=t["protected_sinks"], protected_recent=t["protected_recent"],
-            qa_weight=t["qa_weight"], lam=t["lam"], steps=t["steps"],
+            qa_weight=t["qa_weight"], lam=t["lam"], lam_layers=t.get("lam_layers", {}), steps=t["steps"],
             eta=t["eta"] if t["eta"] == "auto" else float(t["eta"]),
         )  # fmt: skip
         self.autocast = acc.autocast() if acc.mixed_precision != "no" else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core_kv.config import parse_layers
 from core_kv.features import (
     OBS_WINDOW,
 )
@@ -75,6 +76,9 @@ class TeacherConfig:
     chunk_size: int = 512
     qa_weight: float = 0.5
     lam: float = 2.0
+    # per-layer coverage weights overriding ``lam``: {"18-21": 32.0} (a deviation from the paper's single λ;
+    # docs/method.md "CORE on SmolLM2-135M")
+    lam_layers: dict[str, float] = field(default_factory=dict)
     steps: int = 8  # R0 [paper Table 5]
     ref_steps: int = 16  # Table 5 reference
     eta: str = "auto"  # "auto" or a number in (0, 1]
@@ -100,6 +104,7 @@ class TeacherConfig:
                 raise ValueError(f"eta must be 'auto' or in (0, 1], got {self.eta}")
         if self.lam < 0:
             raise ValueError(f"lam must be >= 0, got {self.lam}")
+        self.lam_at(0)  # validates lam_layers
         if not 0 <= self.qa_weight <= 1:
             raise ValueError(f"qa_weight must be in [0, 1], got {self.qa_weight}")
         if not self.ratios or any(not 0 <= r < 1 for r in self.ratios):
@@ -124,6 +129,10 @@ class TeacherConfig:
         if self.metrics_docs < -1 or self.metrics_docs == 0:
             raise ValueError(f"metrics_docs must be -1 (all documents) or >= 1, got {self.metrics_docs}")
 
+    def lam_at(self, layer: int) -> float:
+        """The coverage weight λ of ``layer``: its ``lam_layers`` entry, else ``lam``."""
+        return layer_lam(self.lam, self.lam_layers, layer)
+
     @property
     def eta_value(self) -> float | str:
         return "auto" if self.eta == "auto" else float(self.eta)
@@ -132,6 +141,7 @@ class TeacherConfig:
         """What the allocations depend on besides the model and the documents (recorded in the manifest)."""
         return {
             "lam": self.lam,
+            **({"lam_layers": dict(self.lam_layers)} if self.lam_layers else {}),
             "steps": self.steps,
             "eta": self.eta,
             "beta": "normalised: beta*B = 1/mean|Phi|^2",
@@ -145,3 +155,19 @@ class TeacherConfig:
             "num_prototypes": self.num_prototypes,
             "candidates": "full cache (all tokens before the event)",
         }
+
+
+def layer_lam(lam: float, lam_layers: dict, layer: int) -> float:
+    """λ of ``layer`` given the global ``lam`` and the overrides ``lam_layers`` ({"18-21": 32.0}); a malformed range,
+    a negative value or a layer named by two entries raises, naming ``lam_layers``."""
+    out, seen = float(lam), set()
+    for key, value in (lam_layers or {}).items():
+        layers = set(parse_layers(str(key), "lam_layers"))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"lam_layers[{key!r}] must be a number >= 0, got {value!r}")
+        if layers & seen:
+            raise ValueError(f"lam_layers names layer(s) {sorted(layers & seen)} more than once: {dict(lam_layers)}")
+        seen |= layers
+        if layer in layers:
+            out = float(value)
+    return out

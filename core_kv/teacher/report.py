@@ -60,7 +60,8 @@ def summarise(cfg: TeacherConfig, t: dict[str, torch.Tensor], times: dict, token
 
 
 def format_report(cfg: TeacherConfig, m: dict, model_name: str) -> str:
-    lines = [f"CORE teacher (stage 1) — model {model_name}, lambda={cfg.lam}, eta={cfg.eta}, R0={cfg.steps}"]
+    lam = f"lambda={cfg.lam}" + (f" (per layer: {dict(cfg.lam_layers)})" if cfg.lam_layers else "")
+    lines = [f"CORE teacher (stage 1) — model {model_name}, {lam}, eta={cfg.eta}, R0={cfg.steps}"]
     if "table5" in m:
         t5 = m["table5"]
         lines.append("Table 5 (residual e_R = 1/2|p^(R) - p^(16)|_1; Top-B agreement with R=16 on the free picks)")

@@ -180,7 +180,7 @@ def process_layer(
             persistence[:, :t_e] = ema
         phi_e = phi[:, :t_e].double()
         with timer("solver"):
-            p_star, _ = solve_allocation(pi_u, phi_e, cfg.lam, cfg.steps, cfg.eta_value)
+            p_star, _ = solve_allocation(pi_u, phi_e, cfg.lam_at(layer), cfg.steps, cfg.eta_value)
         budgets = torch.tensor([budget_split(t_e, r, cfg.protected_sinks, cfg.protected_recent)[0] for r in cfg.ratios])
         with timer("write"):
             c, s1, s2 = moments(feats.cpu())
@@ -192,14 +192,14 @@ def process_layer(
         rec.events += 1
         if cfg.metrics and (cfg.metrics_docs < 0 or doc.index < cfg.metrics_docs):
             with timer("metrics"):
-                record_metrics(cfg, pi_u, phi_e, p_star, t_e, rec)
+                record_metrics(cfg, pi_u, phi_e, p_star, t_e, rec, cfg.lam_at(layer))
 
 
-def record_metrics(cfg: TeacherConfig, pi_u, phi, p_star, n: int, rec: Recorder) -> None:
+def record_metrics(cfg: TeacherConfig, pi_u, phi, p_star, n: int, rec: Recorder, lam: float) -> None:
     """Table 5 and Table 7 samples of one (event, layer), every KV head."""
     ref_long = 2 * cfg.ref_steps
     _, hist = solve_allocation(
-        pi_u, phi, cfg.lam, ref_long, cfg.eta_value, record=(1, cfg.steps, cfg.ref_steps, ref_long)
+        pi_u, phi, lam, ref_long, cfg.eta_value, record=(1, cfg.steps, cfg.ref_steps, ref_long)
     )
     p_ref = hist[cfg.ref_steps]
     rec.add("e_1", residual(hist[1], p_ref))
