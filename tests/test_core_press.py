@@ -354,3 +354,41 @@ def test_nan_inputs_are_named_at_the_press_boundary(artifact, llama):
     finally:
         with torch.no_grad():
             emb.weight.copy_(saved)
+
+
+def test_coverage_layers_rank_by_leverage_and_keep_the_indexer_mass(artifact, llama):
+    """``coverage_layers="1"``: layer 1's first-event retained set is the replay's Top-B by the ``novelty`` feature
+    (ridge leverage under uniform p), layer 0 is untouched, and ε̂ still comes from the indexer's distribution."""
+    from core_kv.features import FEATURE_NAMES
+
+    core, path = artifact
+    col = FEATURE_NAMES.index("novelty")
+    runs = {}
+    for layers in ("", "1"):
+        press = press_for(path, compression_ratio=0.25, coverage_layers=layers)
+        kept: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+        event = press._event
+
+        def recording(module, st, *args, kept=kept, event=event):
+            out = event(module, st, *args)
+            kept[module.layer_idx].append(st["pos"].clone())
+            return out
+
+        press._event = recording
+        prefill(llama, ids(), press, chunk_size=64)
+        runs[layers] = (kept, [e for e in press.events if e["layer"] == 1])
+    (base, base_ev), (cov, cov_ev) = runs[""], runs["1"]
+    assert all(torch.equal(a, b) for a, b in zip(base[0], cov[0], strict=True))
+    spec = ReplaySpec(chunk_size=64, ratio=0.25, protected_sinks=4, protected_recent=32, policy="student",
+                      targets=False, utility=False)  # fmt: skip
+    acts = capture(llama, ids())
+    ev = replay_layer(acts[1], 1, [64], None, core.geometry(), spec, lambda layer, f: f[..., col].float())[0]
+    assert torch.equal(ev.cand[ev.kept].view(2, -1), cov[1][0])
+    assert not torch.equal(cov[1][0], base[1][0])
+    assert base_ev[0]["eps_hat"] != cov_ev[0]["eps_hat"]  # different evicted set, same distribution p
+    ref = core.indexer.distribution(1, core.indexer.scores(1, ev.features))
+    torch.testing.assert_close(torch.tensor(cov_ev[0]["eps_hat"]), (ref * ~ev.kept).sum(-1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="coverage_layers"):
+        press_for(path, compression_ratio=0.5, coverage_layers="x")
+    with pytest.raises(ValueError, match="coverage_layers"):
+        press_for(path, compression_ratio=0.5, coverage_layers="1", allocation="keydiff")

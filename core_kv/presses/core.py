@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from core_kv.core_model import CoreModel
-from core_kv.features import OBS_WINDOW, compute_features, observation_attention
+from core_kv.config import parse_layers
+from core_kv.features import FEATURE_NAMES, OBS_WINDOW, compute_features, observation_attention
 from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
 from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer
@@ -54,6 +55,7 @@ from core_kv.presses.base import BasePress
 from core_kv.teacher.metrics import protected_mask, top_free
 
 ALLOCATIONS = ("indexer", "expected_attention", "keydiff")
+NOVELTY = FEATURE_NAMES.index("novelty")  # ridge leverage under uniform p (core_kv.features)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -117,6 +119,11 @@ class CorePress(BasePress, name="core"):
         certificate_delta: δ of the online certificate (paper Table 8 uses δ = 0.05).
         write_noise: Perturb each event's write weights by ``(1 + write_noise · ξ_e)``, ``ξ_e = ±1`` seeded per
             (layer, event): the mass perturbation of paper Table 8's ``G^(δ)`` (0 = off).
+        coverage_layers: Layers (``"18-21"``) whose Top-B ranks candidates by the coverage term alone — the ridge
+            leverage of their Nyström features under uniform p, the indexer's ``novelty`` input, i.e. the teacher's
+            objective as λ_l → ∞ — while the indexer's calibrated distribution still drives ε̂ and the writes
+            [deviation from the paper's single λ; docs/method.md "CORE on SmolLM2-135M"]. ``None`` = the
+            artifact's setting (``""`` for artifacts without one).
         memory_dtype: Storage dtype of the memory's ``[M | b]`` (``"bfloat16"``, ``"float16"``, ``"float32"``;
             ``None`` = the cache's: fp32 for an fp32 model, bf16 for a 2-byte one); writes and reads compute in fp32
             (``Z``, ``s_v``, the radius stay fp32).
@@ -140,11 +147,13 @@ class CorePress(BasePress, name="core"):
     certificate_delta: float = 0.05
     write_noise: float = 0.0
     memory_dtype: str | None = None
+    coverage_layers: str | None = None
 
     _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _checked: set = field(default_factory=set, init=False, repr=False, compare=False)
     _inner: BasePress | None = field(default=None, init=False, repr=False, compare=False)
+    _coverage: set = field(default_factory=set, init=False, repr=False, compare=False)
     _rotary: nn.Module | None = field(default=None, init=False, repr=False, compare=False)
     events: list = field(default_factory=list, init=False, repr=False, compare=False)
     certificates: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -160,6 +169,9 @@ class CorePress(BasePress, name="core"):
             raise ValueError(f"certificate_delta must be >= 0, got {self.certificate_delta!r}")
         if not (isinstance(self.write_noise, (int, float)) and 0 <= self.write_noise < 1):
             raise ValueError(f"write_noise must be in [0, 1), got {self.write_noise!r}")
+        self._coverage = set(parse_layers(self.coverage_layers or "", "coverage_layers"))
+        if self._coverage and self.allocation != "indexer":
+            raise ValueError(f"coverage_layers applies to allocation='indexer', got allocation={self.allocation!r}")
         if self.memory_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"memory_dtype must be None, float32, bfloat16 or float16, got {self.memory_dtype!r}")
         if self.checkpoint is None:
@@ -185,6 +197,8 @@ class CorePress(BasePress, name="core"):
             if not (path / "config.json").is_file():
                 raise ValueError(f"{self.name}: no CORE artifact at {path} (expected config.json + model.safetensors)")
             self._core = CoreModel.from_pretrained(path)  # refuses invalid stored settings and tensors
+        if self.coverage_layers is None:
+            self.coverage_layers = "" if self._core is None else getattr(self._core.config, "coverage_layers", "")
         for name, default in (("protected_sinks", 4), ("protected_recent", 32)):
             trained = default if self._core is None else getattr(self._core.config, name)
             if getattr(self, name) is None:
@@ -452,8 +466,11 @@ class CorePress(BasePress, name="core"):
         prot = protected_mask(n, min(s, n), min(w, max(n - s, 0)), device=k.device)
         k_pre = self.unrope(module, k, st["pos"])  # (Hkv, N, D)
         if self.allocation == "indexer":
-            scores = self.core.indexer.scores(idx, self._features(module, st, k.float(), v.float(), k_pre))
+            feats = self._features(module, st, k.float(), v.float(), k_pre)
+            scores = self.core.indexer.scores(idx, feats)
             p = self.core.indexer.distribution(idx, scores, calibrated=self.calibrated)
+            if idx in self._coverage:
+                scores = feats[..., NOVELTY]  # Top-B by coverage; p (ε̂, writes) stays the indexer's
         else:
             scores = self._inner.score(module, hidden_states, keys, values, None, kwargs)[0].float()  # (Hkv, N)
             std = scores.std(-1, keepdim=True).clamp_min(1e-6)
