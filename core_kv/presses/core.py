@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core_kv.core_model import CoreModel
 from core_kv.config import parse_layers
+from core_kv.core_model import CoreModel
 from core_kv.features import FEATURE_NAMES, OBS_WINDOW, compute_features, observation_attention
 from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
 from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
