@@ -22,17 +22,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def parse_layers(text: str) -> list[int]:
-    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``; an empty string is no layer."""
-    out: list[int] = []
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise SystemExit(f"--other-layers expects e.g. 0-3,8; got {text!r}")
-        out += range(int(lo), int(hi or lo) + 1)
-    return sorted(set(out))
-
-
 def register_core_mix():
     from core_kv.presses.base import PRESSES
     from core_kv.presses.core import CorePress
@@ -92,7 +81,12 @@ def main(argv: list[str] | None = None) -> dict:
     register_core_mix()
     import needle_wording
 
-    layers = parse_layers(args.other_layers)
+    from core_kv.config import parse_layers
+
+    try:
+        layers = parse_layers(args.other_layers, "--other-layers")
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     opts = [f"core_mix.checkpoint={args.checkpoint}", f"core_mix.other={args.other}",
             f"core_mix.other_layers={layers}"]  # fmt: skip
     extra = [a for o in opts for a in ("--press-option", o)]
