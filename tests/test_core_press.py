@@ -392,3 +392,20 @@ def test_coverage_layers_rank_by_leverage_and_keep_the_indexer_mass(artifact, ll
         press_for(path, compression_ratio=0.5, coverage_layers="x")
     with pytest.raises(ValueError, match="coverage_layers"):
         press_for(path, compression_ratio=0.5, coverage_layers="1", allocation="keydiff")
+
+
+def test_replay_targets_follow_per_layer_lambda(artifact, llama):
+    """The distillation's on-policy targets use ``lam_layers``: layer 1 with ``{"1": 4.0}`` over λ = 1 equals a
+    plain λ = 4 replay there; layer 0 equals the plain λ = 1 replay."""
+    core, _ = artifact
+    acts = capture(llama, ids())
+    base = dict(chunk_size=64, ratio=0.5, protected_sinks=4, protected_recent=32, policy="full")
+    mixed = ReplaySpec(**base, lam=1.0, lam_layers={"1": 4.0})
+    for layer, lam in ((0, 1.0), (1, 4.0)):
+        a = replay_layer(acts[layer], layer, [64, 128], None, core.geometry(), mixed, core.indexer.scores)
+        b = replay_layer(acts[layer], layer, [64, 128], None, core.geometry(), ReplaySpec(**base, lam=lam),
+                         core.indexer.scores)  # fmt: skip
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x.p_star, y.p_star)
+    c = replay_layer(acts[1], 1, [64, 128], None, core.geometry(), ReplaySpec(**base, lam=1.0), core.indexer.scores)
+    assert not torch.equal(c[0].p_star, a[0].p_star)
