@@ -27,22 +27,6 @@ import torch
 PRESSES = ("snapkv", "keydiff", "expected_attention")
 
 
-def capture_inputs(model, ids: torch.Tensor) -> tuple[list, dict]:
-    """One forward of the model body; every attention layer's input hidden states and RoPE tables, and its q/k/v."""
-    from core_kv.models.attention import attention_inputs, attention_modules, layer_qkv
-
-    acts, inputs = {}, {}
-
-    def keep(layer, module, hidden_states, kwargs):
-        acts[layer] = layer_qkv(module, hidden_states, kwargs["position_embeddings"])
-        inputs[layer] = (module, hidden_states, kwargs["position_embeddings"])
-
-    with torch.no_grad(), attention_inputs(model, keep):
-        getattr(model, "model", model)(input_ids=ids, use_cache=False)
-    n = len(attention_modules(model))
-    return [acts[i] for i in range(n)], [inputs[i] for i in range(n)]
-
-
 def press_scores(press, module, hidden_states, position_embeddings, acts, t_e: int) -> torch.Tensor:
     """``press.score`` at an event after ``t_e`` cached tokens (Hkv, t_e), on the cache as the press sees it."""
     cos, sin = position_embeddings
@@ -67,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     from core_kv.core_model import CoreModel
     from core_kv.distill.config import TrainConfig
     from core_kv.distill.evaluate import EVAL_OFFSET
-    from core_kv.distill.replay import ReplaySpec, replay_layer
+    from core_kv.distill.replay import ReplaySpec, capture, replay_layer
     from core_kv.kernels import normalised_beta_b
     from core_kv.presses import build_press
     from core_kv.teacher.docs import event_times, load_model, make_docs
@@ -81,12 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, tok = load_model(cfg.teacher.model, torch.device("cpu"))
     core = CoreModel.from_pretrained(run / "final", base_model=model)
     geometry, idx = core.geometry(), core.indexer
-    t = core.config.teacher
-    spec = ReplaySpec(
-        chunk_size=t["chunk_size"], protected_sinks=t["protected_sinks"], protected_recent=t["protected_recent"],
-        qa_weight=t["qa_weight"], lam=t["lam"], lam_layers=t.get("lam_layers", {}), steps=t["steps"],
-        eta=t["eta"] if t["eta"] == "auto" else float(t["eta"]), policy="full", targets=True,
-    )  # fmt: skip
+    spec = ReplaySpec.from_teacher(core.config.teacher, policy="full", targets=True)
     presses = {name: build_press(name, compression_ratio=0.75) for name in args.presses}
     for press in presses.values():
         press.on_enter(model)  # per-model setup (ExpectedAttention's RoPE table); no hooks: scores are called directly
@@ -97,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     for d_i, doc in enumerate(docs):
         ids = torch.tensor([doc.ids])
-        acts, inputs = capture_inputs(model, ids)
+        inputs: dict = {}
+        acts = capture(model, ids, inputs=inputs)
         times = event_times(len(doc.ids), doc.qa_start, spec.chunk_size)
         for layer, a in enumerate(acts):
             module, hs, pe = inputs[layer]

@@ -68,12 +68,16 @@ class Timer:
 
 
 @torch.no_grad()
-def capture(model: nn.Module, ids: torch.Tensor, autocast=None) -> list[LayerQKV]:
-    """One forward of the base model body over ``ids`` (1, T); returns every layer's activations."""
+def capture(model: nn.Module, ids: torch.Tensor, autocast=None, inputs: dict | None = None) -> list[LayerQKV]:
+    """One forward of the base model body over ``ids`` (1, T); returns every layer's activations. With ``inputs``
+    (a dict), also fills ``inputs[layer] = (module, hidden_states, position_embeddings)`` (what a press's ``score``
+    needs)."""
     acts: dict[int, LayerQKV] = {}
 
     def keep(layer, module, hidden_states, kwargs):
         acts[layer] = layer_qkv(module, hidden_states, kwargs["position_embeddings"])
+        if inputs is not None:
+            inputs[layer] = (module, hidden_states, kwargs["position_embeddings"])
 
     with attention_inputs(model, keep), autocast if autocast is not None else nullcontext():
         getattr(model, "model", model)(input_ids=ids, use_cache=False)
@@ -107,6 +111,16 @@ class ReplaySpec:
     policy: str = "student"
     targets: bool = True  # compute π_U and p* (training, metrics); the memory stage needs π_U only for α
     utility: bool = True
+
+    @classmethod
+    def from_teacher(cls, t: dict, **options) -> ReplaySpec:
+        """The spec of a teacher run's parameters ``t`` (its manifest's / artifact's ``teacher`` dict); ``options``
+        set the rest (ratio, policy, ...)."""
+        return cls(
+            chunk_size=t["chunk_size"], protected_sinks=t["protected_sinks"], protected_recent=t["protected_recent"],
+            qa_weight=t["qa_weight"], lam=t["lam"], lam_layers=t.get("lam_layers", {}), steps=t["steps"],
+            eta=t["eta"] if t["eta"] == "auto" else float(t["eta"]), **options,
+        )  # fmt: skip
 
 
 @dataclass

@@ -186,11 +186,7 @@ class Trainer:
         self.core.indexer.set_feature_stats(self.ds.feature_stats())
         self.core.to(acc.device)
         self.geometry = self.core.geometry()
-        self.spec = ReplaySpec(
-            chunk_size=t["chunk_size"], protected_sinks=t["protected_sinks"], protected_recent=t["protected_recent"],
-            qa_weight=t["qa_weight"], lam=t["lam"], lam_layers=t.get("lam_layers", {}), steps=t["steps"],
-            eta=t["eta"] if t["eta"] == "auto" else float(t["eta"]),
-        )  # fmt: skip
+        self.spec = ReplaySpec.from_teacher(t)
         self.autocast = acc.autocast() if acc.mixed_precision != "no" else None
         self._docs: dict[int, object] = {}
         if cfg.wandb:

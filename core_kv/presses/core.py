@@ -122,8 +122,7 @@ class CorePress(BasePress, name="core"):
         coverage_layers: Layers (``"18-21"``) whose Top-B ranks candidates by the coverage term alone — the ridge
             leverage of their Nyström features under uniform p, the indexer's ``novelty`` input, i.e. the teacher's
             objective as λ_l → ∞ — while the indexer's calibrated distribution still drives ε̂ and the writes
-            [deviation from the paper's single λ; docs/method.md "CORE on SmolLM2-135M"]. ``None`` = the
-            artifact's setting (``""`` for artifacts without one).
+            [deviation from the paper's single λ; docs/method.md "CORE on SmolLM2-135M"]. ``""`` = none.
         memory_dtype: Storage dtype of the memory's ``[M | b]`` (``"bfloat16"``, ``"float16"``, ``"float32"``;
             ``None`` = the cache's: fp32 for an fp32 model, bf16 for a 2-byte one); writes and reads compute in fp32
             (``Z``, ``s_v``, the radius stay fp32).
@@ -147,7 +146,7 @@ class CorePress(BasePress, name="core"):
     certificate_delta: float = 0.05
     write_noise: float = 0.0
     memory_dtype: str | None = None
-    coverage_layers: str | None = None
+    coverage_layers: str = ""
 
     _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -169,7 +168,7 @@ class CorePress(BasePress, name="core"):
             raise ValueError(f"certificate_delta must be >= 0, got {self.certificate_delta!r}")
         if not (isinstance(self.write_noise, (int, float)) and 0 <= self.write_noise < 1):
             raise ValueError(f"write_noise must be in [0, 1), got {self.write_noise!r}")
-        self._coverage = set(parse_layers(self.coverage_layers or "", "coverage_layers"))
+        self._coverage = set(parse_layers(self.coverage_layers, "coverage_layers"))
         if self._coverage and self.allocation != "indexer":
             raise ValueError(f"coverage_layers applies to allocation='indexer', got allocation={self.allocation!r}")
         if self.memory_dtype not in (None, "float32", "bfloat16", "float16"):
@@ -197,8 +196,6 @@ class CorePress(BasePress, name="core"):
             if not (path / "config.json").is_file():
                 raise ValueError(f"{self.name}: no CORE artifact at {path} (expected config.json + model.safetensors)")
             self._core = CoreModel.from_pretrained(path)  # refuses invalid stored settings and tensors
-        if self.coverage_layers is None:
-            self.coverage_layers = "" if self._core is None else getattr(self._core.config, "coverage_layers", "")
         for name, default in (("protected_sinks", 4), ("protected_recent", 32)):
             trained = default if self._core is None else getattr(self._core.config, name)
             if getattr(self, name) is None:
