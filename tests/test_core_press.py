@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer
-from core_kv.models.cache import cache_kwarg, kv_bytes, layer_lengths
+from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from core_kv.presses.core import CorePress, certificate_terms
@@ -409,3 +409,108 @@ def test_replay_targets_follow_per_layer_lambda(artifact, llama):
             assert torch.equal(x.p_star, y.p_star)
     c = replay_layer(acts[1], 1, [64, 128], None, core.geometry(), ReplaySpec(**base, lam=1.0), core.indexer.scores)
     assert not torch.equal(c[0].p_star, a[0].p_star)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Head-wise (AdaKV) budgets
+
+
+def adaptive_reference(p: torch.Tensor, prot: torch.Tensor, b: int, alpha: float) -> set:
+    """AdaKV's rule written out: each head keeps its protected positions and its top max(1, int(alpha·b)) by p,
+    then the layer's largest remaining p until Hkv·b entries are kept."""
+    hkv, n = p.shape
+    safe = max(1, int(alpha * b))
+    keep = set()
+    for h in range(hkv):
+        ranked = sorted(range(n), key=lambda j: (not bool(prot[j]), -float(p[h, j])))
+        keep |= {(h, j) for j in ranked[:safe]} | {(h, j) for j in range(n) if prot[j]}
+    rest = sorted(((float(p[h, j]), h, j) for h in range(hkv) for j in range(n) if (h, j) not in keep), reverse=True)
+    return keep | {(h, j) for _, h, j in rest[: hkv * b - len(keep)]}
+
+
+def run_recording(press, model, ctx):
+    """One-shot prefill; returns the cache, each layer's kept index lists and the distribution p of its event."""
+    kept, dists = {}, {}
+    event, distribution = press._event, press.core.indexer.distribution
+
+    def recording(module, st, *args):
+        kept[module.layer_idx] = event(module, st, *args)
+        return kept[module.layer_idx]
+
+    def dist(layer, scores, calibrated=True):
+        dists[layer] = distribution(layer, scores, calibrated=calibrated)
+        return dists[layer]
+
+    press._event, press.core.indexer.distribution = recording, dist
+    try:
+        cache = prefill(model, ctx, press)
+    finally:
+        press.core.indexer.distribution = distribution
+    return cache, kept, dists
+
+
+def test_adaptive_head_budgets_follow_adakv_over_the_calibrated_distribution(artifact, llama):
+    """``head_budgets="adaptive"``: every layer keeps exactly Hkv·B entries, split across its KV heads by AdaKV's
+    rule over p (checked against the rule written out); each head's evicted entries, and only those, are written;
+    the answer reads the ragged cache and the memory."""
+    from core_kv.teacher.metrics import protected_mask
+
+    _, path = artifact
+    b = N // 4
+    for rule in ("mass", "uniform_token"):
+        press = press_for(path, compression_ratio=0.75, head_budgets="adaptive", write_rule=rule)
+        cache, kept, dists = run_recording(press, llama, ids())
+        prot = protected_mask(N, 4, 32)
+        per_head = kv_bytes(cache)["tokens_per_head"]
+        assert [sum(h) for h in per_head] == [2 * b, 2 * b]
+        assert any(h[0] != h[1] for h in per_head)  # the budgets did move between heads
+        for layer in range(2):
+            got = {(h, int(j)) for h in range(2) for j in kept[layer][h]}
+            assert got == adaptive_reference(dists[layer], prot, b, 0.2)
+            mem = press.memory_state(layer)
+            evicted = torch.tensor([N - len(kept[layer][h]) for h in range(2)], dtype=torch.float32)
+            want = evicted if rule == "uniform_token" else torch.tensor(press.events[layer]["eps_hat"])
+            torch.testing.assert_close(mem.Z, want, rtol=1e-5, atol=1e-6)
+            assert press.events[layer]["kept_per_head"] == [len(k) for k in kept[layer]]
+        answer = greedy_answer(llama, cache, N, ids(6, seed=2), 4, press, eos_token_ids=[])
+        assert len(answer) == 4
+        assert kv_bytes(cache)["tokens_per_head"] == per_head  # question and answer trimmed off the ragged layers
+
+
+def test_adaptive_with_full_safeguard_is_the_uniform_press(artifact, llama):
+    """``alpha_safeguard=1`` gives every head its own Top-B: the uniform press's cache and logits, bit for bit."""
+    _, path = artifact
+    ctx, q = ids(), ids(6, seed=2)
+    uniform = logits_after(llama, press_for(path, compression_ratio=0.75), ctx, q)
+    safe = logits_after(llama, press_for(path, compression_ratio=0.75, head_budgets="adaptive", alpha_safeguard=1.0),
+                        ctx, q)  # fmt: skip
+    torch.testing.assert_close(safe, uniform, rtol=0, atol=0)
+
+
+def test_ragged_readout_log_partition_matches_each_head(artifact, llama):
+    """The readout's lse_R over a ragged layer equals each query head's log-sum-exp over its own KV head's keys."""
+    _, path = artifact
+    press = press_for(path, compression_ratio=0.75, head_budgets="adaptive")
+    cache = prefill(llama, ids(), press)
+    layer = next(i for i, lay in enumerate(cache.layers) if isinstance(lay, RaggedLayer))
+    attn = llama.model.layers[layer].self_attn
+    keys, _, valid = cache.layers[layer].padded()
+    q = torch.randn(4, 1, keys.shape[-1], generator=torch.Generator().manual_seed(0))
+    got = press._retained_lse(attn, q, cache.layers[layer])
+    for h in range(4):
+        k = keys[0, h // 2][valid[h // 2]]
+        torch.testing.assert_close(got[h], ((q[h] @ k.mT) * attn.scaling).logsumexp(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_adaptive_refuses_what_a_ragged_cache_cannot_do(artifact, llama):
+    _, path = artifact
+    for options, what in (({"decoding": True}, "decoding"), ({"log_certificate": True}, "log_certificate"),
+                          ({"coverage_layers": "1"}, "coverage_layers")):  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            press_for(path, compression_ratio=0.5, head_budgets="adaptive", **options)
+    with pytest.raises(ValueError, match="chunk_size"):
+        prefill(llama, ids(), press_for(path, compression_ratio=0.5, head_budgets="adaptive"), chunk_size=64)
+    with pytest.raises(ValueError, match="head_budgets"):
+        press_for(path, compression_ratio=0.5, head_budgets="per_layer")
+    with pytest.raises(ValueError, match="alpha_safeguard"):
+        press_for(path, compression_ratio=0.5, head_budgets="adaptive", alpha_safeguard=1.5)

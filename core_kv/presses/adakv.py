@@ -72,15 +72,26 @@ class AdaKVPress(ScorerPress, name="adakv"):
         b, hkv, s = scores.shape
         if b != 1:
             raise ValueError("adakv stores per-head budgets for batch size 1")
-        scores = scores.clone()
-        n_safe = min(s, max(1, int(n_kept * self.alpha_safeguard)))
-        top = scores.topk(n_safe, dim=-1).indices
-        scores.scatter_(-1, top, torch.finfo(scores.dtype).max)  # safeguard (protected stay +inf)
-        # the same bottom-k as kvpress (its masked_key_indices), so ties resolve identically; the padding of a
-        # ragged cache (-inf) is at the very bottom and counts as pruned
-        n_pruned = max(0, hkv * (s - n_kept))
-        keep = scores.reshape(-1) != float("-inf")
-        if n_pruned:
-            keep[torch.topk(-scores.reshape(-1), n_pruned).indices] = False
-        keep = keep.view(hkv, s)
+        keep = adaptive_keep(scores[0], n_kept, self.alpha_safeguard)
         return [keep[h].nonzero().flatten() for h in range(hkv)]
+
+
+def adaptive_keep(scores: torch.Tensor, n_kept: int, alpha_safeguard: float) -> torch.Tensor:
+    """AdaKV's head-wise allocation of one layer: the kept mask ``(Hkv, S)`` for scores ``(Hkv, S)``.
+
+    Every head keeps its top ``max(1, int(alpha_safeguard * n_kept))``; then the ``Hkv * (S - n_kept)`` globally
+    lowest scores of the layer are evicted, so ``Hkv * n_kept`` are kept in all (fewer only where scores are
+    ``-inf``: a ragged cache's padding counts as pruned). ``+inf`` (protected) positions stay. The bottom-k is
+    kvpress's (``masked_key_indices``), so ties resolve identically. Shared by :class:`AdaKVPress` and CORE's
+    ``head_budgets="adaptive"``.
+    """
+    hkv, s = scores.shape
+    scores = scores.clone()
+    n_safe = min(s, max(1, int(n_kept * alpha_safeguard)))
+    top = scores.topk(n_safe, dim=-1).indices
+    scores.scatter_(-1, top, torch.finfo(scores.dtype).max)  # safeguard (protected stay +inf)
+    n_pruned = max(0, hkv * (s - n_kept))
+    keep = scores.reshape(-1) != float("-inf")
+    if n_pruned:
+        keep[torch.topk(-scores.reshape(-1), n_pruned).indices] = False
+    return keep.view(hkv, s)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -51,10 +52,12 @@ from core_kv.features import FEATURE_NAMES, OBS_WINDOW, compute_features, observ
 from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
 from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer
+from core_kv.presses.adakv import adaptive_keep
 from core_kv.presses.base import BasePress
 from core_kv.teacher.metrics import protected_mask, top_free
 
 ALLOCATIONS = ("indexer", "expected_attention", "keydiff")
+HEAD_BUDGETS = ("uniform", "adaptive")
 NOVELTY = FEATURE_NAMES.index("novelty")  # ridge leverage under uniform p (core_kv.features)
 
 
@@ -126,6 +129,15 @@ class CorePress(BasePress, name="core"):
         memory_dtype: Storage dtype of the memory's ``[M | b]`` (``"bfloat16"``, ``"float16"``, ``"float32"``;
             ``None`` = the cache's: fp32 for an fp32 model, bf16 for a 2-byte one); writes and reads compute in fp32
             (``Z``, ``s_v``, the radius stay fp32).
+        head_budgets: ``uniform`` (the paper: B per (layer, KV head)) or ``adaptive``: AdaKV's head-wise
+            allocation (https://arxiv.org/abs/2407.11550; :func:`~core_kv.presses.adakv.adaptive_keep`) over the
+            calibrated distribution p of every KV head of the layer — the layer keeps ``Hkv · B`` entries in all,
+            each head at least ``alpha_safeguard · B`` (its top by p) plus its protected positions, the rest by
+            the globally largest p; every head's evicted entries are written with the same rule [deviation from
+            the paper; docs/method.md "Head-wise budgets"]. p ranks a head's candidates as its scores do, so with
+            ``alpha_safeguard=1`` it is the uniform press exactly. One event per context (one-shot prefill): the
+            cache becomes ragged, so chunked prefill, ``decoding`` and ``log_certificate`` are refused.
+        alpha_safeguard: AdaKV's per-head floor (kvpress 0.5.5 default 0.2), with ``head_budgets="adaptive"``.
 
     Attributes:
         events: One dict per (layer, event) of the last context: ``t_e``, candidates, budget, evicted count, and per
@@ -147,6 +159,8 @@ class CorePress(BasePress, name="core"):
     write_noise: float = 0.0
     memory_dtype: str | None = None
     coverage_layers: str = ""
+    head_budgets: str = "uniform"
+    alpha_safeguard: float = 0.2
 
     _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -171,6 +185,19 @@ class CorePress(BasePress, name="core"):
         self._coverage = set(parse_layers(self.coverage_layers, "coverage_layers"))
         if self._coverage and self.allocation != "indexer":
             raise ValueError(f"coverage_layers applies to allocation='indexer', got allocation={self.allocation!r}")
+        if self.head_budgets not in HEAD_BUDGETS:
+            raise ValueError(f"head_budgets must be one of {HEAD_BUDGETS}, got {self.head_budgets!r}")
+        a = self.alpha_safeguard
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"alpha_safeguard must be in [0, 1], got {a!r}")
+        if self.head_budgets == "adaptive":
+            for option, bad in (("decoding", self.decoding), ("log_certificate", self.log_certificate),
+                                ("coverage_layers", bool(self._coverage))):  # fmt: skip
+                if bad:
+                    raise ValueError(
+                        f"head_budgets='adaptive' evicts once per context (a ragged cache); it does not combine "
+                        f"with {option}"
+                    )
         if self.memory_dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"memory_dtype must be None, float32, bfloat16 or float16, got {self.memory_dtype!r}")
         if self.checkpoint is None:
@@ -211,6 +238,16 @@ class CorePress(BasePress, name="core"):
     def from_pretrained(cls, path: str | Path, **options) -> CorePress:
         """Load the artifact at ``path`` (offline) into a press; ``options`` are the press's other fields."""
         return cls(checkpoint=str(path), **options)
+
+    @contextmanager
+    def chunked_prefill(self):
+        """:meth:`BasePress.chunked_prefill`; refused with ``head_budgets="adaptive"`` (one event per context)."""
+        if self.head_budgets == "adaptive":
+            raise ValueError(
+                "head_budgets='adaptive' evicts once per context: use a one-shot prefill (chunk_size=None)"
+            )
+        with super().chunked_prefill():
+            yield
 
     @property
     def core(self) -> CoreModel:
@@ -299,6 +336,8 @@ class CorePress(BasePress, name="core"):
             if idx == 0:  # a new context: the logs describe the last context only (bounded over an eval run)
                 self.events.clear()
                 self.certificates.clear()
+        elif st["frozen"]:
+            pass  # after an adaptive (ragged) event no event follows: positions are no longer tracked
         else:
             if isinstance(layer, RaggedLayer):
                 raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
@@ -370,6 +409,7 @@ class CorePress(BasePress, name="core"):
             "mem": None,
             "survive": torch.ones(hkv, device=device),  # Π_e (1 − ε̂_e): 1 − it is the predicted evicted mass
             "shadow": None,  # (keys, values) of every evicted entry, only with log_certificate
+            "frozen": False,  # an adaptive (head-wise) event happened: no further event in this context
         }
 
     @property
@@ -383,6 +423,9 @@ class CorePress(BasePress, name="core"):
         st = self._layers[idx]
         fwd = st.pop("fwd")
         layer = cache.layers[idx]
+        if st["frozen"]:
+            st["next"] = max(st["next"], int(fwd["pos"].max()) + 1)
+            return
         if isinstance(layer, RaggedLayer):
             raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
         st["pending"].append(fwd["pos"])
@@ -398,13 +441,15 @@ class CorePress(BasePress, name="core"):
         st = self._layers[module.layer_idx]
         return self.event_budget(st["next"], st["element_size"])
 
-    def compress(self, module, hidden_states, keys, values, attentions, kwargs, n_kept, lengths=None) -> torch.Tensor:
-        """Features -> p -> Top-B (protected positions in) -> write the evicted entries -> kept indices (1, Hkv, B)."""
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs, n_kept, lengths=None):
+        """Features -> p -> Top-B (protected positions in) -> write the evicted entries -> kept indices (1, Hkv, B),
+        or per-head index lists with ``head_budgets="adaptive"``."""
         if lengths is not None:
-            raise ValueError(f"{self.name} keeps uniform per-head budgets; got a ragged cache layer")
+            raise ValueError(f"{self.name} evicts from a rectangular cache; got a ragged cache layer")
         st = self._layers[module.layer_idx]
         self._materialize(st)
-        return self._event(module, st, keys, values, hidden_states, kwargs, n_kept)[None]
+        kept = self._event(module, st, keys, values, hidden_states, kwargs, n_kept)
+        return kept[None] if isinstance(kept, torch.Tensor) else kept
 
     @staticmethod
     def _materialize(st: dict) -> None:
@@ -472,14 +517,21 @@ class CorePress(BasePress, name="core"):
             scores = self._inner.score(module, hidden_states, keys, values, None, kwargs)[0].float()  # (Hkv, N)
             std = scores.std(-1, keepdim=True).clamp_min(1e-6)
             p = ((scores - scores.mean(-1, keepdim=True)) / std).softmax(-1)
-        kept = top_free(scores.float(), prot, b - int(prot.sum()))  # (Hkv, N)
+        if self.head_budgets == "adaptive":  # p ranks each head's candidates as its scores do; heads compete on p
+            kept = adaptive_keep(p.float().masked_fill(prot, float("inf")), b, self.alpha_safeguard)
+        else:
+            kept = top_free(scores.float(), prot, b - int(prot.sum()))  # (Hkv, N)
         evicted = ~kept
         eps_hat = (p * evicted).sum(-1)  # (Hkv,)
-        n_ev = n - b
-        ev_idx = torch.arange(n, device=k.device).expand(hkv, n)[evicted].view(hkv, n_ev)
+        n_ev_head = evicted.sum(-1)  # (Hkv,): n - b for every head unless adaptive
+        n_ev = int(n_ev_head.max())
+        # each head's evicted indices in position order, right-padded (weight 0) to the longest head's
+        order = (torch.arange(n, device=k.device) + n * kept.long()).argsort(-1)
+        ev_idx = order[:, :n_ev]
+        valid = torch.arange(n_ev, device=k.device)[None] < n_ev_head[:, None]  # (Hkv, E)
         gather = ev_idx[..., None].expand(-1, -1, k.shape[-1])
         if self.memory and n_ev > 0:
-            wts = write_weights(p, evicted, self.rule).gather(1, ev_idx)  # (Hkv, E)
+            wts = write_weights(p, evicted, self.rule).gather(1, ev_idx) * valid  # (Hkv, E); padding writes nothing
             mem = st["mem"] if st["mem"] is not None else self.core.memory.empty_state(device=k.device)
             if self.write_noise:
                 sign = (
@@ -495,9 +547,15 @@ class CorePress(BasePress, name="core"):
             old = st["shadow"]
             st["shadow"] = (ek, ev) if old is None else (torch.cat([old[0], ek], 1), torch.cat([old[1], ev], 1))
         self.events.append(
-            {"layer": idx, "t_e": st["next"], "candidates": n, "budget": b, "evicted": n_ev,
-             "eps_hat": eps_hat.tolist(), "Z": None if st["mem"] is None else st["mem"].Z.tolist()}
+            {"layer": idx, "t_e": st["next"], "candidates": n, "budget": b, "evicted": n - b,
+             "kept_per_head": (n - n_ev_head).tolist(), "eps_hat": eps_hat.tolist(),
+             "Z": None if st["mem"] is None else st["mem"].Z.tolist()}
         )  # fmt: skip
+        if self.head_budgets == "adaptive":  # a ragged layer from here on: no positions to track, no later event
+            st["frozen"] = True
+            st["pos"], st["persist"] = st["pos"][:, :0], st["persist"][:, :0]
+            st["wq_pre"], st["wpos"] = None, st["wpos"][:0]
+            return [kept[h].nonzero().flatten() for h in range(hkv)]
         kept_idx = torch.arange(n, device=k.device).expand(hkv, n)[kept].view(hkv, b)
         st["pos"] = st["pos"].gather(1, kept_idx)
         st["persist"] = st["persist"].gather(1, kept_idx)
@@ -506,8 +564,22 @@ class CorePress(BasePress, name="core"):
     # ------------------------------------------------------------------------------------------------------------
     # The readout
 
-    def _retained_lse(self, module, q_post: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Log-partition of each query (H, T) over the cached keys (Hkv, S, D), the T new ones causally."""
+    def _retained_lse(self, module, q_post: torch.Tensor, layer) -> torch.Tensor:
+        """Log-partition of each query (H, T) over the layer's cached keys, the T new ones causally; a ragged
+        layer (``head_budgets="adaptive"``) group by group."""
+        if not isinstance(layer, RaggedLayer):
+            return self._lse(module, q_post, layer.keys[0])
+        h = q_post.shape[0]
+        g = h // layer.num_heads
+        out = q_post.new_empty(h, q_post.shape[1])
+        for grp in layer.groups:
+            qh = (grp.heads[:, None] * g + torch.arange(g, device=grp.heads.device)[None]).reshape(-1)
+            out[qh] = self._lse(module, q_post[qh], grp.keys[0])
+        return out
+
+    @staticmethod
+    def _lse(module, q_post: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Log-partition of queries (h, T) over keys (h_kv, S, D) of their KV heads, the T new ones causally."""
         h, t, d = q_post.shape
         hkv, s, _ = keys.shape
         scaling = float(getattr(module, "scaling", d**-0.5))
@@ -537,7 +609,7 @@ class CorePress(BasePress, name="core"):
         q_post = None
         if lse is None or self.log_certificate:
             q_post = apply_rope(module, q_pre[None], fwd["position_embeddings"])[0].float()
-            lse = self._retained_lse(module, q_post, layer.keys[0])
+            lse = self._retained_lse(module, q_post, layer)
         lse = lse.float()
         o_hat, g = self._compensate(st["mem"], idx, q_pre, o_r, lse)
         if self.log_certificate and st["shadow"] is not None:
@@ -613,4 +685,12 @@ def core_parameter_counts(core: CoreModel) -> dict:
     return {**parts, "geometry_buffers": geo, "total": parts["indexer"] + parts["memory"] + geo}
 
 
-__all__ = ["ALLOCATIONS", "CoreEAPress", "CoreKeyDiffPress", "CorePress", "certificate_terms", "core_parameter_counts"]
+__all__ = [
+    "ALLOCATIONS",
+    "HEAD_BUDGETS",
+    "CoreEAPress",
+    "CoreKeyDiffPress",
+    "CorePress",
+    "certificate_terms",
+    "core_parameter_counts",
+]
