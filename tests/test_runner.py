@@ -327,3 +327,15 @@ def test_truncated_metrics_json_is_recomputed_with_a_warning(clean_run, data, tm
     assert json.loads(metrics.read_text()) == json.loads(
         (cell_dir(clean_out, "toy", "tiny", "knorm", 0.5) / "metrics.json").read_text()
     )
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "eval").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_eval_configs_load_and_build_every_press(path):
+    """Every shipped eval config parses into :class:`EvalConfig`, and each of its methods builds with its options
+    (labelled variants such as ``core_adaptive`` included), so a typo fails here rather than hours into a grid."""
+    from core_kv.eval.runner import _build_press
+
+    cfg = load_config(EvalConfig, [str(path)])
+    ratio = (cfg.ratios or [0.5])[0]
+    for method in cfg.methods:
+        assert _build_press(cfg, method, ratio).compression_ratio == ratio, method
