@@ -48,7 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/press_overhead.py $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check core_kv tests benchmarks train.py eval.py
+	$(BIN)/ruff check core_kv tests benchmarks scripts train.py eval.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -339,3 +339,25 @@ def test_shipped_eval_configs_load_and_build_every_press(path):
     ratio = (cfg.ratios or [0.5])[0]
     for method in cfg.methods:
         assert _build_press(cfg, method, ratio).compression_ratio == ratio, method
+
+
+def test_plot_grid_script_reads_cells_and_writes_png(tmp_path):
+    """scripts/plot_grid.py: a CSV of measured cells becomes cells for the shared plot; bad CSVs name the line."""
+    import runpy
+
+    mod = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "plot_grid.py"))
+    good = tmp_path / "grid.csv"
+    good.write_text("method,ratio,average,results\nfull,0,76.0,results/a\nkeydiff,0.75,25.0,results/b\n"
+                    "keydiff,0.9,14.6,results/b\n")
+    cells = mod["read_cells"](good)
+    assert [(c["method"], c["ratio"], c["average"]) for c in cells] == [
+        ("full", 0.0, 76.0), ("keydiff", 0.75, 25.0), ("keydiff", 0.9, 14.6)]
+    png = mod["main"]([str(good), str(tmp_path / "g.png"), "--title", "t"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = tmp_path / "bad.csv"
+    bad.write_text("method,ratio,average\nkeydiff,0.75,n/a\n")
+    with pytest.raises(ValueError, match=r"bad.csv:2"):
+        mod["read_cells"](bad)
+    (tmp_path / "cols.csv").write_text("method,score\nfull,1\n")
+    with pytest.raises(ValueError, match="missing column"):
+        mod["read_cells"](tmp_path / "cols.csv")
