@@ -163,6 +163,28 @@ def test_changed_config_in_same_folder_raises(clean_run, data):
         run_eval(_cfg(data, out, "generation.max_new_tokens=4"))
 
 
+def test_folder_written_before_an_option_existed_is_still_finished(clean_run, data, tmp_path):
+    """A cell's config.yaml that lacks an option which now exists at its default is the same cell (an upgrade does
+    not orphan finished results); the option at another value, or any other change, is a different cell."""
+    import shutil
+
+    clean_out, _ = clean_run
+    out = tmp_path / "old"
+    shutil.copytree(clean_out, out)
+    cfg_path = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "config.yaml"
+    text = cfg_path.read_text()
+    assert "  compress_questions: false\n" in text
+    cfg_path.write_text(text.replace("  compress_questions: false\n", ""))  # as written before the option existed
+    before = _folder_contents(out)
+    run_eval(_cfg(data, out))  # every cell finished: nothing recomputed or rewritten
+    assert _folder_contents(out) == before
+    with pytest.raises(ValueError, match="different configuration"):
+        run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]", "generation.compress_questions=true"))
+    cfg_path.write_text(text.replace("  compress_questions: false\n", "").replace("seed: 42", "seed: 41"))
+    with pytest.raises(ValueError, match="different configuration"):
+        run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]"))
+
+
 def test_clear_errors(data, tmp_path):
     with pytest.raises(ValueError, match="unknown method 'nope'.*registered presses"):
         _cfg(data, tmp_path, "methods=[nope]")
@@ -361,3 +383,37 @@ def test_plot_grid_script_reads_cells_and_writes_png(tmp_path):
     (tmp_path / "cols.csv").write_text("method,score\nfull,1\n")
     with pytest.raises(ValueError, match="missing column"):
         mod["read_cells"](tmp_path / "cols.csv")
+
+
+def test_compress_questions_prefills_each_question_with_its_context(clean_run, data, tmp_path):
+    """The question-aware protocol: the press compresses context + question; only suffix + answer prefix follow."""
+    from core_kv.eval.runner import _sha256_ids
+    from core_kv.models.loading import load_model
+    from core_kv.pipeline import encode
+
+    agnostic_out, _ = clean_run
+    out = tmp_path / "aware"
+    run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]", "generation.compress_questions=true"))
+    folder = cell_dir(out, "toy", "tiny", "knorm", 0.5)
+    rows = read_jsonl(folder / "predictions.jsonl")
+    agnostic = read_jsonl(cell_dir(agnostic_out, "toy", "tiny", "knorm", 0.5) / "predictions.jsonl")
+    assert json.loads((folder / "metrics.json").read_text())["num_contexts"] == 4  # the shared context splits in two
+    assert [r["group_id"] for r in rows] == [0, 1, 2, 3] and all(r["question"] == "" for r in rows)
+    _, tokenizer = load_model("tiny")
+    for s, r, a in zip(_samples(), rows, agnostic, strict=True):
+        enc = encode(tokenizer, s.context + s.question, [""], [s.answer_prefix])
+        c_ids, q_ids = enc.context_ids[0].tolist(), enc.question_ids[0][0].tolist()
+        assert r["input_hash"] == _sha256_ids(c_ids + [-1] + q_ids) != a["input_hash"]
+        assert r["context_tokens"] == len(c_ids) > a["context_tokens"]  # the question was compressed with it
+        assert r["kv_bytes"] > a["kv_bytes"]
+
+
+def test_compress_questions_leaves_question_free_samples_alone():
+    from core_kv.eval.benchmarks import GenerationConfig
+
+    s = _samples()[0]
+    assert GenerationConfig().fed(s) is s
+    aware = GenerationConfig(compress_questions=True)
+    assert aware.fed(s).context == s.context + s.question and aware.fed(s).question == ""
+    blank = Sample("toy", "lm", s.context, "", "", [], 8, "string_match_all", 256)
+    assert aware.fed(blank) is blank

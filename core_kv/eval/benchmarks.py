@@ -15,7 +15,7 @@ Registration is by class statement, like presses::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -78,6 +78,10 @@ class GenerationConfig:
             (lm-eval's ``until: ["\\n"]``). Off by default (RULER decodes to the budget); for a small model that
             never emits eos it cuts decoding several-fold without changing a string-match score that the answer
             line decides.
+        compress_questions: the question-aware protocol (kvpress's ``compress_questions``): each question is
+            appended to its context and compressed with it, and only the question suffix and answer prefix are fed
+            after the compression. Every sample becomes its own context (one prefill per question). Off by default:
+            the question-agnostic protocol, the question fed on top of the compressed context.
     """
 
     max_new_tokens: int | None = None
@@ -85,12 +89,19 @@ class GenerationConfig:
     use_chat_template: bool | None = None
     max_context_length: int | None = None
     stop_at_newline: bool = False
+    compress_questions: bool = False
 
     def __post_init__(self):
         for name in ("max_new_tokens", "chunk_size", "max_context_length"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"generation.{name} must be positive or null, got {v}")
+
+    def fed(self, sample: Sample) -> Sample:
+        """The sample as this protocol feeds it: with ``compress_questions`` the question moves into the context."""
+        if not self.compress_questions or not sample.question:
+            return sample
+        return replace(sample, context=sample.context + sample.question, question="")
 
     def budget(self, sample: Sample) -> int:
         """Generation budget of one sample after the cap."""

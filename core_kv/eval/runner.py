@@ -376,7 +376,7 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
             bench = get_benchmark(bcfg.kind or entry)
             if bcfg.lengths:
                 check_context_window(model, max(bcfg.lengths), f"{entry} length {max(bcfg.lengths)}")
-            samples = bench.load(bcfg, tokenizer, cfg.seed)
+            samples = [cfg.generation.fed(s) for s in bench.load(bcfg, tokenizer, cfg.seed)]
             if not samples:
                 raise EmptyDatasetError(
                     f"benchmark {entry!r} produced no samples (tasks={bcfg.tasks}, lengths={bcfg.lengths}, "
@@ -445,7 +445,7 @@ def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model
     status = [None]
     if main:
         try:
-            status[0] = _check_folder(folder, spec_yaml)
+            status[0] = _check_folder(folder, spec_yaml, _spec_defaults(cfg, b))
         except ValueError as e:  # tell the other processes before raising, or they wait at the broadcast forever
             status[0] = f"error: {e}"
     broadcast_object_list(status)
@@ -511,11 +511,42 @@ def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model
     return metrics
 
 
-def _check_folder(folder: Path, spec_yaml: str) -> str:
-    """``finished``, ``resume`` or ``new``; a folder written by a different config raises."""
+def _spec_defaults(cfg: EvalConfig, b: _Loaded) -> dict[str, dict]:
+    """Default values of the cell spec's option sections, by section (see :func:`_same_spec`)."""
+    return {
+        "generation": to_dict(GenerationConfig()),
+        "model_config": {k: v for k, v in to_dict(ModelConfig()).items() if k != "name"},
+        "dataset": {**to_dict(type(b.cfg)()), "kind": b.cfg.kind or b.entry},
+    }
+
+
+def _same_spec(stored_yaml: str, spec_yaml: str, defaults: dict[str, dict]) -> bool:
+    """Whether a folder's ``config.yaml`` describes the cell ``spec_yaml`` describes.
+
+    Identical text, or identical values once an option the stored config lacks is dropped where it holds its
+    default: a folder written before an option existed (e.g. ``generation.compress_questions``) was computed with
+    that option's default behaviour, so an upgrade does not orphan finished cells. Any other difference counts."""
+    if stored_yaml == spec_yaml:
+        return True
+    stored = OmegaConf.to_container(OmegaConf.create(stored_yaml))
+    current = OmegaConf.to_container(OmegaConf.create(spec_yaml))
+    if not isinstance(stored, dict) or not isinstance(current, dict):
+        return False
+    for section, section_defaults in defaults.items():
+        old, new = stored.get(section), current.get(section)
+        if isinstance(old, dict) and isinstance(new, dict):
+            for key in [k for k in new if k not in old and k in section_defaults]:
+                if new[key] == section_defaults[key]:
+                    del new[key]
+    return stored == current
+
+
+def _check_folder(folder: Path, spec_yaml: str, defaults: dict[str, dict] | None = None) -> str:
+    """``finished``, ``resume`` or ``new``; a folder written by a different config raises (``defaults``: see
+    :func:`_same_spec`)."""
     cfg_path = folder / "config.yaml"
     if cfg_path.exists():
-        if cfg_path.read_text(encoding="utf-8") != spec_yaml:
+        if not _same_spec(cfg_path.read_text(encoding="utf-8"), spec_yaml, defaults or {}):
             raise ValueError(
                 f"{folder} holds results of a different configuration (compare its config.yaml); use another "
                 "output_dir or delete the folder"
