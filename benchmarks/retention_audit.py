@@ -9,6 +9,8 @@ layer, averaged over prompts and KV heads:
 - ``needle``: fraction of the needle sentence's tokens kept;
 - ``value``: fraction of the value's digit tokens kept;
 - ``head``: fraction of the first ``--head-tokens`` tokens kept (chat-template system turn + task instruction);
+- ``whole value``: fraction of KV heads that keep every token of the value (copying a multi-token number needs
+  all of its tokens in the heads that copy it; a mean ``value`` can hide heads that each miss one digit);
 - ``overlap``: |kept ∩ kept_ref| / |kept| against ``--reference`` (default KeyDiff) at the same ratio;
 - ``qmass``: share of the question's attention kept: the full-cache attention that the question + answer-prefix
   tokens (appended as the pipeline does) put on the context, summed over the kept entries, divided by the total on the
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "layer": layer,
                     "needle": sum(len(s & needle) for s in heads) / (len(heads) * len(needle)),
                     "value": sum(len(s & value) for s in heads) / (len(heads) * len(value)),
+                    "whole": sum(value <= s for s in heads) / len(heads),
                     "head": sum(len(s & head) for s in heads) / (len(heads) * len(head)),
                     "overlap": sum(len(s & r) / max(1, len(s)) for s, r in zip(heads, ref, strict=True)) / len(heads),
                     "kept": sum(len(s) for s in heads) / len(heads),
@@ -201,19 +204,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nmodel {args.model} | ratio {args.ratio} | {args.n} prompts, {args.haystack} haystack, {args.length} tokens"
           f" | overlap vs {args.reference}")  # fmt: skip
     print(
-        "| method | layer | needle kept | value kept | first tokens kept | overlap | question mass kept | tokens kept |"
+        "| method | layer | needle kept | value kept | whole value | first tokens kept | overlap | question mass kept "
+        "| output error | tokens kept |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     summary = {}
     for m in methods:
         mean = {k: [sum(r[l][k] for r in stats[m]) / len(stats[m]) for l in range(len(stats[m][0]))]
-                for k in ("needle", "value", "head", "overlap", "qmass", "relerr", "kept")}  # fmt: skip
+                for k in ("needle", "value", "whole", "head", "overlap", "qmass", "relerr", "kept")}  # fmt: skip
         summary[m] = mean
         for l in layers:
-            print(f"| {m} | {l} | {mean['needle'][l]:.2f} | {mean['value'][l]:.2f} | {mean['head'][l]:.2f} | "
+            print(f"| {m} | {l} | {mean['needle'][l]:.2f} | {mean['value'][l]:.2f} | {mean['whole'][l]:.2f} | "
+                  f"{mean['head'][l]:.2f} | "
                   f"{mean['overlap'][l]:.2f} | {mean['qmass'][l]:.2f} | {mean['relerr'][l]:.3f} | {mean['kept'][l]:.0f} |")  # fmt: skip
         print(f"| {m} | mean | " + " | ".join(f"{sum(mean[k]) / len(mean[k]):.2f}" for k in
-                                             ("needle", "value", "head", "overlap", "qmass", "relerr")) + f" | {sum(mean['kept']) / len(mean['kept']):.0f} |")  # fmt: skip
+                                             ("needle", "value", "whole", "head", "overlap", "qmass", "relerr")) + f" | {sum(mean['kept']) / len(mean['kept']):.0f} |")  # fmt: skip
     if args.json:
         from core_kv.io import atomic_write_json
 

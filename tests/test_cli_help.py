@@ -27,6 +27,7 @@ ENTRY_POINTS = [
     ("core_kv.proxy.evaluate", "module"),
     ("core_kv.eval.fidelity", "module"),
     ("scripts/kvpress_fidelity.py", "file"),
+    ("scripts/kvpress_compare.py", "file"),
     ("scripts/plot_grid.py", "file"),
     *[(f"benchmarks/{p.name}", "file") for p in sorted((ROOT / "benchmarks").glob("*.py"))],
 ]
