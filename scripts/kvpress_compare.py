@@ -50,6 +50,7 @@ KVPRESS_CLASSES = {
 
 
 def _write_json(path: Path, obj) -> None:
+    """Atomic write (``core_kv.io.atomic_write_json``'s job; ``run`` must not import core_kv in kvpress's venv)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -91,8 +92,7 @@ def _kept_digests(cache, full_keys) -> list[str]:
     """One digest of the sorted kept positions per (layer, KV head)."""
     out = []
     for layer, fk in zip(cache.layers, full_keys, strict=True):
-        keys = layer.padded()[0] if hasattr(layer, "padded") else layer.keys
-        valid = layer.padded()[2] if hasattr(layer, "padded") else None
+        keys, _, valid = layer.padded() if hasattr(layer, "padded") else (layer.keys, None, None)
         for h in range(fk.shape[1]):
             rows = {fk[0, h, i].numpy().tobytes(): i for i in range(fk.shape[2])}
             k = keys[0, h] if valid is None else keys[0, h][valid[h]]
@@ -128,16 +128,17 @@ def run(args) -> None:
     )
     results = done.setdefault("results", {})
     n_samples = len(data["samples"]) if args.limit is None else min(args.limit, len(data["samples"]))
-    todo = [(m, i) for m in args.methods for i in range(n_samples) if str(i) not in results.get(m, {})]
-    for n, (method, i) in enumerate(todo):
+    todo = [(i, m) for i in range(n_samples) for m in args.methods if str(i) not in results.get(m, {})]
+    full_keys, keys_of = None, None  # the full cache's keys of one sample, shared by its methods
+    for n, (i, method) in enumerate(todo):
         s = data["samples"][i]
         ctx = torch.tensor([s["context_ids"]])
         press = _press(args.library, method, args.ratio)
         with torch.no_grad():
-            if press is not None:
+            if press is not None and keys_of != i:
                 full = DynamicCache()
                 model.model(input_ids=ctx, past_key_values=full)
-                full_keys = [layer.keys for layer in full.layers]
+                full_keys, keys_of = [layer.keys for layer in full.layers], i
             cache = DynamicCache()
             t0 = time.perf_counter()
             if press is None:
