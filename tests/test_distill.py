@@ -159,3 +159,78 @@ def test_replay_budget_protection_and_error_identity(replayed, policy):
             torch.testing.assert_close(seg["alpha"][hq, j], alpha, rtol=1e-4, atol=1e-5)
             # the paper's exact identity: o* - o_R = α_E (o_E - o_R)
             torch.testing.assert_close(o_full - o_r, alpha * (o_e - o_r), rtol=1e-4, atol=1e-5)
+
+
+def test_retained_attention_mask_matches_naive(replayed):
+    """Query τ sees 0..τ before the first event, then its event's retained set plus t_e..τ."""
+    from core_kv.distill.replay import retained_attention_mask
+
+    acts, geo = replayed
+    spec = ReplaySpec(chunk_size=64, ratio=0.75, protected_sinks=4, protected_recent=16, targets=False)
+    score = lambda layer, f: f[..., 0] + 0.1 * f[..., 5]  # noqa: E731
+    events = replay_layer(acts[1], 1, list(range(64, 300, 64)), None, geo, spec, score)
+    allowed = retained_attention_mask(events, 2, 300)
+    for h in range(2):
+        for tau in (0, 63, 64, 100, 191, 192, 299):
+            ev = next((e for e in reversed(events) if e.t_e <= tau), None)
+            if ev is None:
+                want = set(range(tau + 1))
+            else:
+                want = set(ev.cand[h][ev.kept[h]].tolist()) | set(range(ev.t_e, tau + 1))
+            assert set(allowed[h, tau].nonzero().flatten().tolist()) == want, (h, tau)
+
+
+def test_cascade_capture_equals_full_capture_without_evictions(llama):
+    """Nothing evicted: the cascade's activations are the full-cache forward's, layer by layer."""
+    from core_kv.distill.replay import cascade_capture
+
+    ids = torch.randint(3, 200, (1, 160), generator=torch.Generator().manual_seed(5))
+    full = capture(llama, ids)
+    casc = cascade_capture(llama, ids, lambda layer, a: [])
+    for f, c in zip(full, casc, strict=True):
+        torch.testing.assert_close(c.q_post, f.q_post, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(c.v, f.v, rtol=1e-4, atol=1e-5)
+
+
+def test_cascade_capture_layer_inputs_match_naive_forward(llama, replayed):
+    """With evictions, layer 1's activations are those of a hand-written forward whose layer-0 attention reads only
+    the retained keys (naive per-query softmax), and they differ from the full cache's."""
+    from core_kv.distill.replay import cascade_capture
+    from core_kv.models.attention import layer_qkv
+
+    _, geo = replayed
+    ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(6))
+    spec = ReplaySpec(chunk_size=64, ratio=0.75, protected_sinks=4, protected_recent=16, targets=False)
+    score = lambda layer, f: f[..., 0] + 0.1 * f[..., 5]  # noqa: E731
+    times = list(range(64, 300, 64))
+    seen = {}
+
+    def replay(layer, a):
+        seen[layer] = replay_layer(a, layer, times, None, geo, spec, score)
+        return seen[layer]
+
+    casc = cascade_capture(llama, ids, replay)
+    full = capture(llama, ids)
+    torch.testing.assert_close(casc[0].q_post, full[0].q_post)  # layer 0's input is the embedding either way
+    assert (casc[1].q_post - full[1].q_post).abs().max() > 1e-3  # the evictions change layer 1's inputs
+    inner = llama.model
+    with torch.no_grad():
+        h = inner.embed_tokens(ids)
+        pe = inner.rotary_emb(h, torch.arange(300)[None])
+        layer0 = inner.layers[0]
+        a = layer_qkv(layer0.self_attn, layer0.input_layernorm(h), pe)
+        out = torch.zeros(300, 4, 16)
+        for tau in range(300):
+            ev = next((e for e in reversed(seen[0]) if e.t_e <= tau), None)
+            for hq in range(4):
+                kv = hq // 2
+                keys = list(range(tau + 1)) if ev is None else sorted(
+                    set(ev.cand[kv][ev.kept[kv]].tolist()) | set(range(ev.t_e, tau + 1)))  # fmt: skip
+                logit = (a.q_post[hq, tau] @ a.k_post[kv, keys].T) * a.scaling
+                out[tau, hq] = logit.softmax(-1) @ a.v[kv, keys]
+        h = h + layer0.self_attn.o_proj(out.reshape(1, 300, -1))
+        h = h + layer0.mlp(layer0.post_attention_layernorm(h))
+        layer1 = inner.layers[1]
+        ref = layer_qkv(layer1.self_attn, layer1.input_layernorm(h), pe)
+    torch.testing.assert_close(casc[1].q_post, ref.q_post, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(casc[1].k_pre, ref.k_pre, rtol=1e-4, atol=1e-5)

@@ -361,3 +361,23 @@ def test_selector_quality_reproduces_the_report_and_scores_presses(reference):
     assert {"snapkv", "keydiff", "expected_attention"} <= rows.keys()
     assert len({r["n"] for r in rows.values()}) == 1
     assert all(0 < r["U_B"] <= 1 + 1e-9 for r in rows.values())
+
+
+def test_cascade_on_policy_shares_the_warmup_and_changes_the_indexer(tmp_path, teacher_dir, reference):
+    """``indexer.cascade=true`` trains on the compressed cascade's activations: the teacher-record warm-up (and its
+    stage hash) is the reference's, the on-policy indexer is not; at its default the option leaves every hash as
+    before (shipped runs stay recognised)."""
+    import json
+
+    from core_kv.distill.config import TrainConfig
+    from core_kv.distill.trainer import _hashed
+
+    assert "cascade" not in _hashed(TrainConfig())["indexer"]
+    out = tmp_path / "cascade"
+    run(tiny_args(out, teacher_dir, "indexer.cascade=true"))
+    mine, ref = (json.loads((d / "run.json").read_text())["stages"] for d in (out, reference))
+    assert mine["indexer_warmup"] == ref["indexer_warmup"] and mine["indexer"] != ref["indexer"]
+    warm = lambda d: load_file(str(d / "stages" / "indexer_warmup.safetensors"))  # noqa: E731
+    assert_same(warm(out), warm(reference))
+    w, r = weights(out), weights(reference)
+    assert any(not torch.equal(w[k], r[k]) for k in w if k.startswith("indexer.") and "temperature" not in k)

@@ -54,6 +54,10 @@ class IndexerStage:
     warmup_lr_steps: int = 8
     grad_clip: float = 1.0
     rank_weight: float = 0.1  # μ_rank of the Top-B boundary BCE (0 disables it)
+    # On-policy replay on the compressed cascade's activations (layer l+1's inputs from a forward in which the
+    # student's retained sets replace every cache; the teacher's future queries are the cascade's) instead of the
+    # full-cache forward's. A deviation from CORE.md stage 2 (docs/method.md, "Cascade-aware on-policy replay").
+    cascade: bool = False
 
     def check(self, prefix: str = "indexer.") -> None:
         check_options(self, prefix, ("records_per_micro", "lr"),

@@ -17,8 +17,11 @@ Teacher targets at an event are computed online on the candidates actually prese
 functions: future utility π_U (:func:`core_kv.teacher.utility.future_utility`, the same future queries and
 weights as the teacher run) and ``p* = solve_allocation(π_U, Φ, λ)``.
 
-[choice] Hidden states come from the full-cache forward (teacher-forced across layers): layer l's evictions do not
-change layer l+1's inputs during training. The press (issue 8) runs the real cascade; the eval measures the gap.
+[choice] By default hidden states come from the full-cache forward (teacher-forced across layers): layer l's
+evictions do not change layer l+1's inputs during training. The press (issue 8) runs the real cascade; the eval
+measures the gap. :func:`cascade_capture` is the alternative (``indexer.cascade``, a deviation from CORE.md): one
+forward in which every layer's attention reads only the student's retained sets at each event, so layer l+1's
+queries, keys and values, and with them the teacher's future utility, are those of the compressed cascade.
 
 Shapes: H query heads, Hkv KV heads, G = H/Hkv, T document tokens, D head dim, N candidates, F = 14 features,
 d_z projected key dim, M prototypes, w observation window.
@@ -82,6 +85,62 @@ def capture(model: nn.Module, ids: torch.Tensor, autocast=None, inputs: dict | N
     with attention_inputs(model, keep), autocast if autocast is not None else nullcontext():
         getattr(model, "model", model)(input_ids=ids, use_cache=False)
     return [acts[i] for i in range(len(attention_modules(model)))]
+
+
+def retained_attention_mask(events: list[Event], hkv: int, t_len: int, device=None) -> torch.Tensor:
+    """Which keys each query sees when the cache is replaced by the retained sets of ``events``: (Hkv, T, T) bool.
+
+    Query τ before the first event sees ``0..τ``; query τ in ``[t_e, end)`` of event e sees that event's retained
+    set plus ``t_e..τ`` (the chunk arriving after it), exactly what the chunked-prefill press's cache holds."""
+    pos = torch.arange(t_len, device=device)
+    allowed = (pos[None, :] <= pos[:, None]).expand(hkv, -1, -1).clone()  # causal (Hkv, T, T)
+    for ev in events:
+        rows = slice(ev.t_e, ev.end)
+        allowed[:, rows, : ev.t_e] = False
+        kept = ev.cand[ev.kept].view(hkv, -1)  # (Hkv, B)
+        allowed[:, rows].scatter_(2, kept[:, None].expand(-1, ev.end - ev.t_e, -1), True)
+    return allowed
+
+
+@torch.no_grad()
+def cascade_capture(
+    model: nn.Module, ids: torch.Tensor, replay: Callable[[int, LayerQKV], list[Event]], autocast=None
+) -> list[LayerQKV]:
+    """One forward of ``ids`` (1, T) through the compressed cascade; returns every layer's activations.
+
+    In each attention module the activations of its (cascade) input are replayed by ``replay(layer, acts)`` (the
+    student's own events), and the module's output is replaced by the attention of every query over the keys the
+    retained sets leave it (:func:`retained_attention_mask`), then ``o_proj``. So layer l+1 sees the hidden states
+    a chunked prefill with these evictions in layers ≤ l produces (without the latent memory: retained-only
+    readout). The module's own attention is computed and discarded (the hook replaces its output)."""
+    acts: dict[int, LayerQKV] = {}
+    modules = attention_modules(model)
+
+    def hook(layer: int):
+        def post(module, args, kwargs, output):
+            hs = kwargs.get("hidden_states", args[0] if args else None)
+            a = layer_qkv(module, hs, kwargs["position_embeddings"])
+            acts[layer] = a
+            hkv, t_len, d = a.k_pre.shape
+            allowed = retained_attention_mask(replay(layer, a), hkv, t_len, a.k_pre.device)
+            g = a.groups
+            o = torch.nn.functional.scaled_dot_product_attention(
+                a.q_post[None], a.k_post.repeat_interleave(g, 0)[None], a.v.repeat_interleave(g, 0)[None],
+                attn_mask=allowed.repeat_interleave(g, 0)[None], scale=a.scaling,
+            )[0]  # (H, T, D)
+            o = module.o_proj(o.transpose(0, 1).reshape(1, t_len, -1).to(hs.dtype))
+            return (o, *output[1:]) if isinstance(output, tuple) else o
+
+        return post
+
+    handles = [m.register_forward_hook(hook(i), with_kwargs=True) for i, m in enumerate(modules)]
+    try:
+        with autocast if autocast is not None else nullcontext():
+            getattr(model, "model", model)(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return [acts[i] for i in range(len(modules))]
 
 
 def future_queries(t_e: int, chunk: int, qa_start: int | None, t_len: int, qa_weight: float, device=None):

@@ -39,7 +39,7 @@ def train_indexer(tr: Trainer) -> None:
     warm = WarmupStep(idx, ic.rank_weight, t.protected_sinks, t.protected_recent)
     run_stage(tr, "indexer_warmup", warm, params, records, ic.warmup_steps, ic, ic.records_per_micro)
     items = [] if tr.stage_file("indexer").is_file() else tr.doc_items(ic.steps)
-    step = OnPolicyStep(idx, tr.context("indexer"), ic.rank_weight)
+    step = OnPolicyStep(idx, tr.context("indexer"), ic.rank_weight, cascade=ic.cascade)
     run_stage(tr, "indexer", step, params, items, ic.steps, ic, cfg.micro_batch)
 
 

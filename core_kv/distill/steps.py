@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from core_kv.distill.losses import kl_to_teacher, memory_loss, relative_error, topb_boundary_bce, topb_overlap
-from core_kv.distill.replay import ReplaySpec, Timer, capture, replay_layer, segment_attention
+from core_kv.distill.replay import ReplaySpec, Timer, capture, cascade_capture, replay_layer, segment_attention
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import LatentMemory, write_weights
 from core_kv.teacher.dataset import TeacherRecord
@@ -53,6 +53,19 @@ class Context:
         device = next(self.model.parameters()).device
         with self.timer("base_forward"):
             return capture(self.model, torch.tensor([doc.ids], device=device), self.autocast)
+
+    def cascade_acts(self, doc: Doc, ratio: float, score_fn) -> list:
+        """Activations of the compressed cascade at ``ratio``: the student's (``score_fn``) retained sets replace
+        the cache in every layer (:func:`~core_kv.distill.replay.cascade_capture`)."""
+        device = next(self.model.parameters()).device
+        spec = replace(self.spec, ratio=ratio, policy="student", targets=False, utility=False)
+        times = self.times(doc)
+
+        def replay(layer, acts):
+            return replay_layer(acts, layer, times, doc.qa_start, self.geometry, spec, score_fn, self.timer)
+
+        with self.timer("base_forward"):
+            return cascade_capture(self.model, torch.tensor([doc.ids], device=device), replay, self.autocast)
 
     def times(self, doc: Doc) -> list[int]:
         return event_times(len(doc.ids), doc.qa_start, self.spec.chunk_size)
@@ -99,19 +112,28 @@ class WarmupStep(nn.Module):
 
 
 class OnPolicyStep(nn.Module):
-    """Replay with the student's own retained sets; KL to the teacher's p* computed on those candidates."""
+    """Replay with the student's own retained sets; KL to the teacher's p* computed on those candidates.
 
-    def __init__(self, indexer: CoreIndexer, ctx: Context, rank_weight: float):
+    With ``cascade`` the activations (and so the teacher's future queries) come from the compressed cascade
+    (:meth:`Context.cascade_acts`, the student's current weights choosing every layer's evictions), not from the
+    full-cache forward."""
+
+    def __init__(self, indexer: CoreIndexer, ctx: Context, rank_weight: float, cascade: bool = False):
         super().__init__()
         self.indexer = indexer
         self.__dict__["ctx"] = ctx  # frozen: kept out of the module tree
         self.rank_weight = rank_weight
+        self.cascade = cascade
 
     def forward(self, items: list[DocItem]):
         ctx = self.ctx
         doc_losses, kls, overlaps, tokens = [], [], [], 0
         for it in items:
-            acts = ctx.acts(it.doc)
+            if self.cascade:
+                with torch.no_grad():
+                    acts = ctx.cascade_acts(it.doc, it.ratio, self.indexer.scores)
+            else:
+                acts = ctx.acts(it.doc)
             spec = replace(ctx.spec, ratio=it.ratio, policy="student", targets=True)
             terms = []
             for layer, a in enumerate(acts):

@@ -62,6 +62,18 @@ from core_kv.teacher.run import run_teacher
 __all__ = ["STAGES", "Interrupted", "Trainer", "train"]
 
 STAGES = ("indexer_warmup", "indexer", "calibration", "memory")  # in order; each depends on the ones before it
+# Options added after artifacts were shipped: left out of the run and stage hashes while at these defaults, so
+# finished runs (checkpoints/core-*) stay recognised as the same config.
+LATER_DEFAULTS = {("indexer", "cascade"): False}
+
+
+def _hashed(cfg) -> dict:
+    """``to_dict(cfg)`` without the :data:`LATER_DEFAULTS` options that are at their default."""
+    d = to_dict(cfg)
+    for (section, name), default in LATER_DEFAULTS.items():
+        if d[section].get(name, default) == default:
+            d[section].pop(name, None)
+    return d
 
 
 def _accelerator(cfg):
@@ -129,19 +141,19 @@ class Trainer:
         """What the run folder's contents depend on: base model + every training-relevant option."""
         skip = {"out_dir", "progress", "threads", "stop_after", "overwrite", "wandb", "wandb_project", "wandb_mode",
                 "save_every", "keep_last", "build_teacher"}  # fmt: skip
-        resolved = {k: v for k, v in to_dict(self.cfg).items() if k not in skip}
+        resolved = {k: v for k, v in _hashed(self.cfg).items() if k not in skip}
         resolved["teacher"] = self.cfg.teacher.teacher_params() | {"data": to_dict(self.cfg.teacher.data)}
         return {"fingerprint": self.fingerprint, "config_hash": config_hash(resolved), "stages": self.stage_keys()}
 
     def stage_keys(self) -> dict[str, str]:
         """One hash per stage: the options the stage reads, chained with the hash of the stage before it, so a change
         to a later stage's options leaves the earlier stages' hashes (and their finished weights) valid."""
-        d = to_dict(self.cfg)
+        d = _hashed(self.cfg)
         chain = {"fingerprint": self.fingerprint, "seed": d["seed"], "grad_accum": d["grad_accum"],
                  "teacher": self.cfg.teacher.teacher_params() | {"data": d["teacher"]["data"]}}  # fmt: skip
         docs = {k: d[k] for k in ("train_docs", "ratios", "micro_batch")}
         own = {
-            "indexer_warmup": {"indexer": {k: v for k, v in d["indexer"].items() if k != "steps"}},
+            "indexer_warmup": {"indexer": {k: v for k, v in d["indexer"].items() if k not in ("steps", "cascade")}},
             "indexer": {"indexer": d["indexer"], **docs},
             "calibration": {"calibration": d["calibration"], "calib_docs": d["calib_docs"]},
             "memory": {"memory": d["memory"], "write_rule": d["write_rule"]},
