@@ -127,7 +127,7 @@ def cascade_capture(
             o = torch.nn.functional.scaled_dot_product_attention(
                 a.q_post[None], a.k_post.repeat_interleave(g, 0)[None], a.v.repeat_interleave(g, 0)[None],
                 attn_mask=allowed.repeat_interleave(g, 0)[None], scale=a.scaling,
-            )[0]  # (H, T, D)
+            )[0]  # (H, T, D)  # fmt: skip
             o = module.o_proj(o.transpose(0, 1).reshape(1, t_len, -1).to(hs.dtype))
             return (o, *output[1:]) if isinstance(output, tuple) else o
 
