@@ -121,7 +121,7 @@ def cascade_capture(
             hs = kwargs.get("hidden_states", args[0] if args else None)
             a = layer_qkv(module, hs, kwargs["position_embeddings"])
             acts[layer] = a
-            hkv, t_len, d = a.k_pre.shape
+            hkv, t_len, _ = a.k_pre.shape
             allowed = retained_attention_mask(replay(layer, a), hkv, t_len, a.k_pre.device)
             g = a.groups
             o = torch.nn.functional.scaled_dot_product_attention(

@@ -129,9 +129,8 @@ class OnPolicyStep(nn.Module):
         ctx = self.ctx
         doc_losses, kls, overlaps, tokens = [], [], [], 0
         for it in items:
-            if self.cascade:
-                with torch.no_grad():
-                    acts = ctx.cascade_acts(it.doc, it.ratio, self.indexer.scores)
+            if self.cascade:  # cascade_capture runs without gradient
+                acts = ctx.cascade_acts(it.doc, it.ratio, self.indexer.scores)
             else:
                 acts = ctx.acts(it.doc)
             spec = replace(ctx.spec, ratio=it.ratio, policy="student", targets=True)
