@@ -9,6 +9,11 @@ days); this script draws their tables from one CSV that names, for every cell, t
 CSV columns: ``method,ratio,average,results`` (``results`` is provenance only). The row ``full`` at ratio 0 is the
 reference (drawn dashed); every other method starts from it. The figure uses the same function as ``eval.py``'s
 own plots (:func:`core_kv.eval.report.plot_compression_curves`).
+
+A needle grid (score vs context length) adds a ``length`` column (tokens); it is drawn as score vs length, one
+panel per compression ratio, the ``full`` rows (ratio 0) dashed in every panel::
+
+    python scripts/plot_grid.py docs/figures/smollm2_needles.csv docs/figures/smollm2_needles.png
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ def read_cells(path: Path) -> list[dict]:
         if missing:
             raise ValueError(f"{path}: missing column(s) {missing}; expected at least {list(COLUMNS)}")
         cells = []
+        by_length = "length" in (reader.fieldnames or [])
         for i, row in enumerate(reader, start=2):
             try:
                 ratio, average = float(row["ratio"]), float(row["average"])
+                length = int(row["length"]) if by_length else None
             except ValueError:
                 raise ValueError(f"{path}:{i}: ratio and average must be numbers, got {row}") from None
             cells.append(
@@ -44,11 +51,48 @@ def read_cells(path: Path) -> list[dict]:
                     "average": average,
                     "unit": Benchmark.unit,  # QA benchmarks' unit: the plot fixes the 0-100 axis for it
                     "average_label": f"mean {Benchmark.unit}",
+                    **({"length": length} if by_length else {}),
                 }
             )
     if not cells:
         raise ValueError(f"{path}: no rows")
     return cells
+
+
+def plot_length_curves(cells: list[dict], path: Path, title: str) -> Path:
+    """Score vs context length, one panel per compression ratio > 0, one line per method; ``full`` dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from core_kv.io import atomic_write
+
+    ratios = sorted({c["ratio"] for c in cells if c["ratio"] > 0})
+    if not ratios:
+        raise ValueError("a length grid needs rows at a compression ratio > 0")
+    methods = list(dict.fromkeys(c["method"] for c in cells if c["ratio"] > 0))
+    ref = sorted((c["length"], c["average"]) for c in cells if c["method"] == "full" and c["ratio"] == 0)
+    fig = Figure(figsize=(4.2 * len(ratios) + 2.0, 3.8))
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, len(ratios), k + 1) for k in range(len(ratios))]
+    for ax, r in zip(axes, ratios, strict=True):
+        if ref:
+            ax.plot(*zip(*ref, strict=True), color="black", linestyle="--", linewidth=1, label="full (no compression)")
+        for i, m in enumerate(methods):
+            pts = sorted((c["length"], c["average"]) for c in cells if c["method"] == m and c["ratio"] == r)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="osD^v<>"[i % 7], color=f"C{i % 10}", label=m)
+        ax.set_xscale("log", base=2)
+        lengths = sorted({c["length"] for c in cells})
+        ax.set_xticks(lengths, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+        ax.set_ylim(-2, 102)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(f"{r:.0%} removed", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(cells[0]["average_label"])
+    axes[-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -57,7 +101,9 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("png", type=Path, help="output figure (written atomically)")
     ap.add_argument("--title", default="", help="figure title")
     args = ap.parse_args(argv)
-    out = plot_compression_curves(read_cells(args.csv), args.png, args.title or args.csv.stem)
+    cells = read_cells(args.csv)
+    plot = plot_length_curves if "length" in cells[0] else plot_compression_curves
+    out = plot(cells, args.png, args.title or args.csv.stem)
     print(f"wrote {out}")
     return out
 

@@ -383,6 +383,20 @@ def test_plot_grid_script_reads_cells_and_writes_png(tmp_path):
     (tmp_path / "cols.csv").write_text("method,score\nfull,1\n")
     with pytest.raises(ValueError, match="missing column"):
         mod["read_cells"](tmp_path / "cols.csv")
+    # a needle grid: a length column switches to score vs length, one panel per ratio
+    grid = tmp_path / "needles.csv"
+    grid.write_text("method,ratio,length,average\nfull,0,1024,90\nfull,0,2048,80\ncore,0.75,1024,50\n"
+                    "core,0.75,2048,40\ncore,0.9,1024,20\n")
+    cells = mod["read_cells"](grid)
+    assert [(c["method"], c["ratio"], c["length"]) for c in cells][2:4] == [("core", 0.75, 1024), ("core", 0.75, 2048)]
+    png = mod["main"]([str(grid), str(tmp_path / "n.png")])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "badlen.csv").write_text("method,ratio,length,average\ncore,0.75,2k,50\n")
+    with pytest.raises(ValueError, match=r"badlen.csv:2"):
+        mod["read_cells"](tmp_path / "badlen.csv")
+    (tmp_path / "refonly.csv").write_text("method,ratio,length,average\nfull,0,1024,90\n")
+    with pytest.raises(ValueError, match="ratio > 0"):
+        mod["main"]([str(tmp_path / "refonly.csv"), str(tmp_path / "r.png")])
 
 
 def test_compress_questions_prefills_each_question_with_its_context(clean_run, data, tmp_path):
