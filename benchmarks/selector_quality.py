@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> dict:
     model, tok = load_model(cfg.teacher.model, torch.device("cpu"))
     core = CoreModel.from_pretrained(run / "final", base_model=model)
     geometry, idx = core.geometry(), core.indexer
-    spec = ReplaySpec.from_teacher(core.config.teacher, policy="full", targets=True)
+    spec = ReplaySpec.from_teacher(
+        core.config.teacher, policy="full", targets=True, features=core.config.feature_spec["version"]
+    )
     presses = {name: build_press(name, compression_ratio=0.75) for name in args.presses}
     for press in presses.values():
         press.on_enter(model)  # per-model setup (ExpectedAttention's RoPE table); no hooks: scores are called directly

@@ -22,8 +22,18 @@ All choices below are [choice] (the paper gives only the count, 14); indexmem_co
 | 12 | novelty         | ridge leverage ℓ_i(uniform p), same normalised βB as the teacher               |
 | 13 | query_cos       | cos(k̃_i, q̄), q̄ the mean pre-RoPE query of the window × G                       |
 
-Changing any definition must bump :data:`FEATURE_SPEC_VERSION`: teacher datasets and indexer checkpoints record it
-and refuse a mismatch.
+**Spec v2** (``features: 2`` in a teacher config) keeps the count (14, the paper's indexer shape) and replaces the
+two flags that the protected positions and ``age_log`` already carry with the two key-distinctiveness signals of the
+training-free presses that keep needles on SmolLM2 (docs/method.md, "Feature spec v2"), both on post-RoPE keys ``k_i``
+over the event's candidates:
+
+| #  | name          | definition                                                                              |
+|----|---------------|-----------------------------------------------------------------------------------------|
+| 7  | key_distinct  | −cos(k_i, mean_j k̂_j), k̂ = k/‖k‖ (KeyDiff's score, Park et al. 2025)                      |
+| 8  | twin_rarity   | log((N+1)/(c_i+1)), c_i = #{j : |i−j| > 32, k̂_i·k̂_j > 0.85} (TwinKV's frequency term, paper 000 §3.2) |
+
+Changing any definition must add a version to :data:`FEATURE_SPECS`: teacher datasets and indexer checkpoints record
+theirs, and every recorded version stays computable, so artifacts trained on an older spec keep loading.
 
 Shapes: Hkv KV heads, G query heads per KV head, w window queries, N candidates, D head dim, d_z projected dim,
 M prototypes, F = 14 features, L layers.
@@ -42,7 +52,7 @@ from safetensors.torch import load_file, save_file
 from core_kv.io import atomic_write
 from core_kv.kernels import leverage, normalised_beta_b
 
-FEATURE_SPEC_VERSION = 1
+FEATURE_SPEC_VERSION = 1  # the default for new teacher runs (TeacherConfig.features)
 FEATURE_NAMES = (
     "obs_mean_log",
     "obs_max_log",
@@ -60,6 +70,12 @@ FEATURE_NAMES = (
     "query_cos",
 )
 NUM_FEATURES = len(FEATURE_NAMES)
+FEATURE_SPECS = {  # version -> names; every version keeps NUM_FEATURES columns (the indexer's input width)
+    1: FEATURE_NAMES,
+    2: FEATURE_NAMES[:7] + ("key_distinct", "twin_rarity") + FEATURE_NAMES[9:],
+}
+TWIN_LOCAL = 32  # TwinKV's nonlocal band and similarity threshold (paper 000 §3.2), for twin_rarity
+TWIN_THRESHOLD = 0.85
 OBS_WINDOW = 32
 SINK_TOKENS = 4
 LOCAL_WINDOW = 64
@@ -68,17 +84,55 @@ PSI_TEMPERATURE = 0.1
 EPS = 1e-6
 
 
-def spec() -> dict:
+def check_version(version, where: str = "features") -> int:
+    """``version`` if it is one of :data:`FEATURE_SPECS`, else a ValueError naming ``where``."""
+    if isinstance(version, bool) or version not in FEATURE_SPECS:
+        raise ValueError(f"{where}: feature spec v{version} is not one this code computes ({sorted(FEATURE_SPECS)})")
+    return int(version)
+
+
+def feature_names(version: int = FEATURE_SPEC_VERSION) -> tuple[str, ...]:
+    return FEATURE_SPECS[check_version(version)]
+
+
+def spec(version: int = FEATURE_SPEC_VERSION) -> dict:
     """The feature specification recorded beside every dataset and checkpoint that uses these features."""
-    return {
-        "version": FEATURE_SPEC_VERSION,
-        "names": list(FEATURE_NAMES),
+    out = {
+        "version": check_version(version),
+        "names": list(FEATURE_SPECS[version]),
         "obs_window": OBS_WINDOW,
         "sink_tokens": SINK_TOKENS,
         "local_window": LOCAL_WINDOW,
         "persistence_decay": PERSISTENCE_DECAY,
         "psi_temperature": PSI_TEMPERATURE,
     }
+    if version >= 2:
+        out.update(twin_local=TWIN_LOCAL, twin_threshold=TWIN_THRESHOLD)
+    return out
+
+
+def key_distinctiveness(keys: torch.Tensor) -> torch.Tensor:
+    """KeyDiff's score ``−cos(k_i, mean_j k̂_j)`` over the candidates, (Hkv, N) from keys (Hkv, N, D)."""
+    k = keys.float()
+    anchor = torch.nn.functional.normalize(k, dim=-1).mean(1, keepdim=True)  # (Hkv, 1, D)
+    return -torch.nn.functional.cosine_similarity(k, anchor, dim=-1)
+
+
+def twin_rarity(keys: torch.Tensor, positions: torch.Tensor, block: int = 512) -> torch.Tensor:
+    """TwinKV's ``log((N+1)/(c_i+1))`` with nonlocal twin counts ``c_i`` among the candidates, (Hkv, N).
+
+    ``c_i = #{j : |pos_i − pos_j| > 32, k̂_i·k̂_j > 0.85}`` over candidate positions (Hkv, N) or (N,), computed over
+    ``block`` rows at a time so the workspace is (Hkv, block, N), never N × N."""
+    khat = torch.nn.functional.normalize(keys.float(), dim=-1)  # (Hkv, N, D)
+    hkv, n = khat.shape[:2]
+    pos = positions.to(khat.device)
+    pos = pos[None].expand(hkv, n) if pos.dim() == 1 else pos
+    counts = torch.empty(hkv, n, device=khat.device)
+    for s in range(0, n, block):
+        hits = (khat[:, s : s + block] @ khat.mT).gt_(TWIN_THRESHOLD)  # (Hkv, b, N)
+        far = (pos[:, s : s + block, None] - pos[:, None, :]).abs() > TWIN_LOCAL
+        counts[:, s : s + block] = (hits * far).sum(-1)
+    return torch.log((n + 1) / (counts + 1))
 
 
 def observation_attention(
@@ -126,8 +180,10 @@ def compute_features(
     phi: torch.Tensor,
     prototypes: torch.Tensor,
     persistence: torch.Tensor | None = None,
+    keys_post: torch.Tensor | None = None,
+    version: int = FEATURE_SPEC_VERSION,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 14 features of every candidate at one event, for one layer.
+    """The 14 features of spec ``version`` of every candidate at one event, for one layer.
 
     Args:
         obs_attn: Window attention over the candidates (Hkv, G·w, N), from :func:`observation_attention`.
@@ -141,6 +197,8 @@ def compute_features(
         prototypes: Coverage prototypes (Hkv, M, d_z).
         persistence: The EMA state of these candidates from the previous event (Hkv, N), NaN for new tokens,
             or ``None`` at the first event.
+        keys_post: Post-RoPE candidate keys (Hkv, N, D), as cached; spec v2 needs them.
+        version: The feature spec (:data:`FEATURE_SPECS`).
 
     Returns:
         ``(features (Hkv, N, 14) float32, persistence (Hkv, N))``; pass the latter to the next event.
@@ -160,6 +218,12 @@ def compute_features(
     phi64 = phi.double()
     novelty = leverage(torch.full((hkv, n), 1.0 / n, dtype=torch.float64), phi64, normalised_beta_b(phi64))
     q_bar = obs_queries.float().mean(1, keepdim=True)  # (Hkv, 1, D)
+    if check_version(version) >= 2:
+        if keys_post is None:
+            raise ValueError("feature spec v2 needs the post-RoPE candidate keys (keys_post)")
+        flags = [key_distinctiveness(keys_post), twin_rarity(keys_post, pos)]
+    else:
+        flags = [(pos < SINK_TOKENS).float(), (dist < LOCAL_WINDOW).float()]
     cols = [
         (obs_mean + EPS).log(),
         (obs_max + EPS).log(),
@@ -168,8 +232,7 @@ def compute_features(
         values.float().norm(dim=-1),
         torch.log1p(dist.clamp_min(0)),
         pos / max(float(last_pos), 1.0),
-        (pos < SINK_TOKENS).float(),
-        (dist < LOCAL_WINDOW).float(),
+        *flags,
         sim.amax(-1),
         entropy,
         -(crowd + 1e-12).log(),
@@ -202,7 +265,7 @@ class FeatureStats:
         return (x - self.mean[layer, :, None].to(x)) / self.std[layer, :, None].to(x)
 
     def save(self, path: str | Path) -> Path:
-        meta = {"feature_spec": json.dumps(spec(), sort_keys=True), "version": str(self.version)}
+        meta = {"feature_spec": json.dumps(spec(self.version), sort_keys=True), "version": str(self.version)}
         t = {"mean": self.mean.contiguous(), "std": self.std.contiguous()}
         return atomic_write(path, lambda tmp: save_file(t, tmp, metadata=meta))
 
@@ -212,10 +275,7 @@ class FeatureStats:
 
         with safe_open(str(path), "pt") as f:
             version = int((f.metadata() or {}).get("version", -1))
-        if version != FEATURE_SPEC_VERSION:
-            raise ValueError(
-                f"{path}: feature statistics for feature spec v{version}, this code computes v{FEATURE_SPEC_VERSION}"
-            )
+        check_version(version, f"{path}: feature statistics")
         t = load_file(str(path))
         return cls(t["mean"], t["std"], version)
 

@@ -9,7 +9,10 @@ import torch
 
 from core_kv.features import (
     FEATURE_NAMES,
+    FEATURE_SPECS,
     NUM_FEATURES,
+    TWIN_LOCAL,
+    TWIN_THRESHOLD,
     FeatureStats,
     compute_features,
     moments,
@@ -119,6 +122,41 @@ def test_feature_stats_refuse_other_version(tmp_path, monkeypatch):
 
     stats = FeatureStats(torch.zeros(1, 1, 14), torch.ones(1, 1, 14))
     stats.save(tmp_path / "s.safetensors")
-    monkeypatch.setattr(features, "FEATURE_SPEC_VERSION", 99)
-    with pytest.raises(ValueError, match="feature spec"):
+    monkeypatch.setattr(features, "FEATURE_SPECS", {2: features.FEATURE_SPECS[2]})  # a code that no longer has v1
+    with pytest.raises(ValueError, match="feature spec v1"):
         features.FeatureStats.load(tmp_path / "s.safetensors")
+
+
+def test_feature_stats_keep_their_version(tmp_path):
+    FeatureStats(torch.zeros(1, 1, 14), torch.ones(1, 1, 14), version=2).save(tmp_path / "s.safetensors")
+    assert FeatureStats.load(tmp_path / "s.safetensors").version == 2
+    with pytest.raises(ValueError, match="feature spec v3"):
+        FeatureStats(torch.zeros(1, 1, 14), torch.ones(1, 1, 14), version=3).save(tmp_path / "t.safetensors")
+
+
+def test_v2_replaces_the_flags_with_keydiff_and_twin_scores():
+    """Spec v2: columns 7 / 8 are KeyDiffPress's score and TwinKV's rarity term on the post-RoPE keys (each checked
+    against the press's own function); every other column equals v1's."""
+    from core_kv.presses.keydiff import KeyDiffPress
+    from core_kv.presses.twinkv import naive_nonlocal_counts
+
+    attn, q, k, v, z, phi, protos = _inputs(n=120)
+    k_post = torch.randn(2, 120, 4, generator=torch.Generator().manual_seed(5))
+    k_post[:, 50:70] = k_post[:, 10:11]  # twins: 10 and 50..69 (50..69 are also each other's local neighbours)
+    pos = torch.arange(120)
+    v1, _ = compute_features(attn, q, k, v, pos, 119, z, phi, protos)
+    v2, _ = compute_features(attn, q, k, v, pos, 119, z, phi, protos, keys_post=k_post, version=2)
+    names = FEATURE_SPECS[2]
+    assert names[7:9] == ("key_distinct", "twin_rarity") and NUM_FEATURES == len(names)
+    keep = [i for i in range(14) if i not in (7, 8)]
+    torch.testing.assert_close(v2[..., keep], v1[..., keep])
+    keydiff = KeyDiffPress(compression_ratio=0.5).score(None, None, k_post[None], None, None, {})[0]
+    torch.testing.assert_close(v2[..., 7], keydiff)
+    counts = naive_nonlocal_counts(k_post[None], TWIN_LOCAL, TWIN_THRESHOLD)[0].float()
+    torch.testing.assert_close(v2[..., 8], torch.log((120 + 1) / (counts + 1)))
+    assert counts[0, 10] >= 20 and counts[0, 60] >= 1  # 10's twins 50..69 are far; 60's are near except 10
+    with pytest.raises(ValueError, match="keys_post"):
+        compute_features(attn, q, k, v, pos, 119, z, phi, protos, version=2)
+    with pytest.raises(ValueError, match="feature spec v7"):
+        compute_features(attn, q, k, v, pos, 119, z, phi, protos, keys_post=k_post, version=7)
+

@@ -170,6 +170,7 @@ class ReplaySpec:
     policy: str = "student"
     targets: bool = True  # compute π_U and p* (training, metrics); the memory stage needs π_U only for α
     utility: bool = True
+    features: int = 1  # the feature spec (core_kv.features.FEATURE_SPECS) of the indexer being trained/replayed
 
     @classmethod
     def from_teacher(cls, t: dict, **options) -> ReplaySpec:
@@ -260,6 +261,7 @@ def replay_layer(
                 f, ema = compute_features(
                     obs, acts.q_pre[qs, wpos].reshape(1, -1, d), acts.k_pre[h, c][None], acts.v[h, c][None], c,
                     t_e - 1, z[h, c][None], phi[h, c][None], protos[h][None], persistence[h, c][None],
+                    keys_post=acts.k_post[h, c][None], version=spec.features,
                 )  # fmt: skip
                 persistence[h, c] = ema[0]
                 feats.append(f[0])

@@ -64,7 +64,7 @@ __all__ = ["STAGES", "Interrupted", "Trainer", "train"]
 STAGES = ("indexer_warmup", "indexer", "calibration", "memory")  # in order; each depends on the ones before it
 # Options added after artifacts were shipped: left out of the run and stage hashes while at these defaults, so
 # finished runs (checkpoints/core-*) stay recognised as the same config.
-LATER_DEFAULTS = {("indexer", "cascade"): False}
+LATER_DEFAULTS = {("indexer", "cascade"): False, ("teacher", "features"): 1}
 
 
 def _hashed(cfg) -> dict:
@@ -175,14 +175,14 @@ class Trainer:
         fp = self.fingerprint
         params = cfg.teacher.teacher_params()
         try:
-            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params)
+            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features)
         except (FileNotFoundError, TeacherDatasetMismatch) as e:
             if not cfg.build_teacher:
                 raise
             self.print(f"teacher data: {e} -> building it (python -m core_kv.teacher equivalent)")
             run_teacher(replace(cfg.teacher, progress=cfg.progress and cfg.teacher.progress))
             acc.wait_for_everyone()
-            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params)
+            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features)
         self.print(f"teacher data: {self.ds.path} ({len(self.ds)} records)")
         geometry = self.ds.geometry()
         t = self.ds.manifest["teacher"]
@@ -198,7 +198,7 @@ class Trainer:
         self.core.indexer.set_feature_stats(self.ds.feature_stats())
         self.core.to(acc.device)
         self.geometry = self.core.geometry()
-        self.spec = ReplaySpec.from_teacher(t)
+        self.spec = ReplaySpec.from_teacher(t, features=self.ds.manifest["feature_spec"]["version"])
         self.autocast = acc.autocast() if acc.mixed_precision != "no" else None
         self._docs: dict[int, object] = {}
         if cfg.wandb:

@@ -492,7 +492,7 @@ class CorePress(BasePress, name="core"):
         obs = observation_attention(wq_post.view(hkv, g, -1, d), keys, st["wpos"], st["pos"], scaling)
         f, ema = compute_features(
             obs, st["wq_pre"].reshape(hkv, -1, d), k_pre, values, st["pos"], st["next"] - 1, z, phi, protos,
-            st["persist"],
+            st["persist"], keys_post=keys, version=self.core.config.feature_spec["version"],
         )  # fmt: skip
         st["persist"] = ema
         return f

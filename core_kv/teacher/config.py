@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core_kv.config import parse_layers
-from core_kv.features import (
-    OBS_WINDOW,
-)
+from core_kv.features import OBS_WINDOW, check_version
 
 PROXY_MIX = {
     "niah_single_1": 0.1,
@@ -94,6 +92,9 @@ class TeacherConfig:
     feature_dtype: str = "float16"
     threads: int = 1  # >0: torch.set_num_threads (1 is fastest on shared CPUs; 0 = leave it)
     progress: bool = True
+    # feature spec of the records (core_kv.features.FEATURE_SPECS): 1 = the shipped artifacts', 2 = key
+    # distinctiveness (KeyDiff) and twin rarity (TwinKV) in place of the sink/local flags (docs/method.md)
+    features: int = 1
 
     def __post_init__(self) -> None:
         if self.data.seed == 42:
@@ -105,6 +106,7 @@ class TeacherConfig:
         if self.lam < 0:
             raise ValueError(f"lam must be >= 0, got {self.lam}")
         self.lam_at(0)  # validates lam_layers
+        check_version(self.features, "features")
         if not 0 <= self.qa_weight <= 1:
             raise ValueError(f"qa_weight must be in [0, 1], got {self.qa_weight}")
         if not self.ratios or any(not 0 <= r < 1 for r in self.ratios):

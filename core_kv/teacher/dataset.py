@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from core_kv.features import FEATURE_NAMES, FEATURE_SPEC_VERSION
+from core_kv.features import FEATURE_SPEC_VERSION, FEATURE_SPECS
 from core_kv.io import atomic_write
 from core_kv.teacher.geometry import FingerprintMismatch, check_fingerprint
 
@@ -128,7 +128,7 @@ class TeacherDataset:
         path: The run's ``out_dir``.
         fingerprint: The base model's :func:`~core_kv.teacher.geometry.model_fingerprint`, if it must match.
         teacher: Teacher parameters that must match (any subset of ``manifest["teacher"]``, e.g. ``{"lam": 1.0}``).
-        feature_version: Feature spec version the reader computes (default: this code's).
+        feature_version: Feature spec version the reader needs (the config's ``features``; default: the default spec).
     """
 
     def __init__(
@@ -148,7 +148,7 @@ class TeacherDataset:
         if m.get("format") != FORMAT:
             raise TeacherDatasetMismatch(f"{self.path}: format {m.get('format')!r}, this code reads {FORMAT!r}; {hint}")
         fs = m["feature_spec"]
-        if fs["version"] != feature_version or fs["names"] != list(FEATURE_NAMES):
+        if fs["version"] != feature_version or fs["names"] != list(FEATURE_SPECS.get(feature_version, ())):
             raise TeacherDatasetMismatch(
                 f"{self.path}: features are spec v{fs['version']} {fs['names'][:3]}..., this code computes "
                 f"v{feature_version}; {hint}"

@@ -35,11 +35,11 @@ from tqdm import tqdm
 from core_kv.budget import budget_split
 from core_kv.config import to_dict
 from core_kv.features import (
-    FEATURE_NAMES,
     NUM_FEATURES,
     OBS_WINDOW,
     FeatureStats,
     compute_features,
+    feature_names,
     moments,
     observation_attention,
     spec,
@@ -175,7 +175,7 @@ def process_layer(
             q_obs = q_pre[:, wpos].view(hkv, g * len(wpos), d)
             feats, ema = compute_features(
                 obs, q_obs, k_pre[:, :t_e], v[:, :t_e].float(), cand, t_e - 1, z[:, :t_e], phi[:, :t_e], protos,
-                persistence[:, :t_e],
+                persistence[:, :t_e], keys_post=k_post[:, :t_e], version=cfg.features,
             )  # fmt: skip
             persistence[:, :t_e] = ema
         phi_e = phi[:, :t_e].double()
@@ -329,6 +329,7 @@ def merge(cfg: TeacherConfig, out: Path, world: int, dims: dict, fp: dict, t_sta
         else:
             merged[k] = sum(t[k] for t in tens)
     stats = FeatureStats.from_moments(merged["count"], merged["total"], merged["total_sq"])
+    stats.version = cfg.features
     stats.save(out / "feature_stats.safetensors")
     times: dict[str, float] = defaultdict(float)
     for p in parts:
@@ -347,10 +348,12 @@ def merge(cfg: TeacherConfig, out: Path, world: int, dims: dict, fp: dict, t_sta
     hashed = {
         k: v for k, v in resolved.items() if k not in ("out_dir", "progress", "threads", "metrics", "metrics_docs")
     }
+    if hashed.get("features") == 1:  # added after datasets were built: v1 runs keep their hash
+        hashed.pop("features")
     shards = sorted((s for p in parts for s in p["shards"]), key=lambda s: s["file"])
     manifest = {
         "format": FORMAT,
-        "feature_spec": spec(),
+        "feature_spec": spec(cfg.features),
         "teacher": cfg.teacher_params(),
         "fingerprint": fp,
         "config_hash": config_hash(hashed),
@@ -360,7 +363,7 @@ def merge(cfg: TeacherConfig, out: Path, world: int, dims: dict, fp: dict, t_sta
         "geometry": "geometry.safetensors",
         "feature_stats": "feature_stats.safetensors",
         "metrics": "metrics.json",
-        "features": list(FEATURE_NAMES),
+        "features": list(feature_names(cfg.features)),
         "num_processes": world,
     }
     atomic_write_json(out / MANIFEST, manifest)
