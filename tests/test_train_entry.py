@@ -381,3 +381,42 @@ def test_cascade_on_policy_shares_the_warmup_and_changes_the_indexer(tmp_path, t
     assert_same(warm(out), warm(reference))
     w, r = weights(out), weights(reference)
     assert any(not torch.equal(w[k], r[k]) for k in w if k.startswith("indexer.") and "temperature" not in k)
+
+
+def test_feature_spec_v2_trains_loads_and_compresses_to_the_budget(tmp_path, teacher_dir, reference):
+    """``teacher.features=2``: the teacher records spec v2, a v1 dataset in that folder is rebuilt rather than reused,
+    the artifact records v2 and its press computes v2 features (KeyDiff / twin columns) and keeps the exact budget; at
+    the default (1) the option is left out of every hash, so v1 runs stay recognised."""
+    import json
+
+    from transformers import DynamicCache
+
+    from core_kv.core_model import CoreModel
+    from core_kv.distill.config import TrainConfig
+    from core_kv.distill.trainer import _hashed
+    from core_kv.features import FEATURE_SPECS
+    from core_kv.models.cache import cache_kwarg, layer_lengths
+    from core_kv.presses import build_press
+    from core_kv.teacher.config import ModelSpec
+    from core_kv.teacher.docs import load_model
+
+    assert "features" not in _hashed(TrainConfig())["teacher"]
+    teacher = tmp_path / "teacher"
+    __import__("shutil").copytree(teacher_dir, teacher)  # the reference's v1 dataset, in the v2 run's folder
+    out = tmp_path / "v2"
+    run(tiny_args(out, teacher, "teacher.features=2"))
+    assert json.loads((teacher / "manifest.json").read_text())["feature_spec"]["version"] == 2
+    base, _ = load_model(
+        ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128), "cpu"
+    )
+    core = CoreModel.from_pretrained(out / "final", base_model=base)
+    assert core.config.feature_spec["names"] == list(FEATURE_SPECS[2])
+    mine, ref = (json.loads((d / "run.json").read_text()) for d in (out, reference))
+    assert mine["config_hash"] != ref["config_hash"]
+    assert all(mine["stages"][k] != ref["stages"][k] for k in ref["stages"])  # no v1 stage is reused by a v2 run
+    press = build_press("core", checkpoint=str(out / "final"), compression_ratio=0.75)
+    ids = torch.randint(3, 500, (1, 160), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    with torch.inference_mode(), press(base):
+        base(input_ids=ids, use_cache=True, **{cache_kwarg(base): cache})
+    assert all(layer_lengths(layer).tolist() == [40, 40] for layer in cache.layers)  # 160 tokens at 75%: B = 40

@@ -142,15 +142,21 @@ class Trainer:
         skip = {"out_dir", "progress", "threads", "stop_after", "overwrite", "wandb", "wandb_project", "wandb_mode",
                 "save_every", "keep_last", "build_teacher"}  # fmt: skip
         resolved = {k: v for k, v in _hashed(self.cfg).items() if k not in skip}
-        resolved["teacher"] = self.cfg.teacher.teacher_params() | {"data": to_dict(self.cfg.teacher.data)}
+        resolved["teacher"] = self._teacher_key() | {"data": to_dict(self.cfg.teacher.data)}
         return {"fingerprint": self.fingerprint, "config_hash": config_hash(resolved), "stages": self.stage_keys()}
+
+    def _teacher_key(self) -> dict:
+        """The teacher parameters every stage depends on, with the feature spec when it is not v1 (v1 runs predate
+        the option and keep their hashes)."""
+        features = self.cfg.teacher.features
+        return self.cfg.teacher.teacher_params() | ({"features": features} if features != 1 else {})
 
     def stage_keys(self) -> dict[str, str]:
         """One hash per stage: the options the stage reads, chained with the hash of the stage before it, so a change
         to a later stage's options leaves the earlier stages' hashes (and their finished weights) valid."""
         d = _hashed(self.cfg)
         chain = {"fingerprint": self.fingerprint, "seed": d["seed"], "grad_accum": d["grad_accum"],
-                 "teacher": self.cfg.teacher.teacher_params() | {"data": d["teacher"]["data"]}}  # fmt: skip
+                 "teacher": self._teacher_key() | {"data": d["teacher"]["data"]}}  # fmt: skip
         docs = {k: d[k] for k in ("train_docs", "ratios", "micro_batch")}
         own = {
             "indexer_warmup": {"indexer": {k: v for k, v in d["indexer"].items() if k not in ("steps", "cascade")}},
