@@ -234,3 +234,28 @@ def test_cascade_capture_layer_inputs_match_naive_forward(llama, replayed):
         ref = layer_qkv(layer1.self_attn, layer1.input_layernorm(h), pe)
     torch.testing.assert_close(casc[1].q_post, ref.q_post, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(casc[1].k_pre, ref.k_pre, rtol=1e-4, atol=1e-5)
+
+
+def test_replay_targets_follow_the_utility_pool(replayed):
+    """The on-policy π_U follows ``ReplaySpec.utility_pool`` (the teacher's): max-pooled per query group over the
+    student's candidates, against future_utility written out; ``from_teacher`` reads it, mean when absent."""
+    from core_kv.distill.replay import future_queries
+    from core_kv.teacher.utility import future_utility, normalise
+
+    acts, geo = replayed
+    base = dict(chunk_size=64, ratio=0.75, protected_sinks=4, protected_recent=16, qa_weight=0.5)
+    score = lambda layer, f: f[..., 0]  # noqa: E731
+    times, qa = [64, 128, 192], 240
+    mean = replay_layer(acts[1], 1, times, qa, geo, ReplaySpec(**base), score)
+    peak = replay_layer(acts[1], 1, times, qa, geo, ReplaySpec(**base, utility_pool="max"), score)
+    a = acts[1]
+    for em, ex in zip(mean, peak, strict=True):
+        assert torch.equal(em.cand, ex.cand) and not torch.allclose(em.pi_u, ex.pi_u)
+        fpos, fw = future_queries(ex.t_e, 64, qa, a.q_post.shape[1], 0.5)
+        qf = a.q_post[:, fpos].view(2, 2, len(fpos), -1)
+        u = future_utility(qf, a.k_post[:, : int(fpos.max()) + 1], fpos, ex.t_e, a.scaling, fw, pool="max")
+        torch.testing.assert_close(ex.pi_u, normalise(u.gather(1, ex.cand).double()))
+    t = {"chunk_size": 64, "protected_sinks": 4, "protected_recent": 16, "qa_weight": 0.5, "lam": 1.0, "steps": 8,
+         "eta": "auto"}  # fmt: skip
+    assert ReplaySpec.from_teacher(t).utility_pool == "mean"
+    assert ReplaySpec.from_teacher({**t, "utility_pool": "max"}).utility_pool == "max"

@@ -83,6 +83,28 @@ def test_utility_matches_model_attention(one_proc):
     torch.testing.assert_close(rec.pi_u, u / u.sum(-1, keepdim=True), atol=1e-5, rtol=1e-4)
 
 
+def test_max_pooled_utility_matches_model_attention(tmp_path):
+    """``utility_pool=max``: per query group (next chunk, QA tail) the max over its queries of the head-mean attention,
+    mixed by the groups' weights, against the eager model's own attention; recorded in the manifest; the default
+    (mean) is left out of the teacher parameters, so datasets built before the option keep theirs."""
+    assert "utility_pool" not in TeacherConfig().teacher_params()
+    with pytest.raises(ValueError, match="utility_pool"):
+        load_config(TeacherConfig, [*TINY, "utility_pool=median"])
+    out = tmp_path / "max"
+    main([*TINY, f"out_dir={out}", "data.num_docs=2", "utility_pool=max", "metrics=false"])
+    assert TeacherDataset(out).manifest["teacher"]["utility_pool"] == "max"
+    cfg = load_config(TeacherConfig, [*TINY, "model.attn_implementation=eager"])
+    model, _ = load_model(cfg.model, torch.device("cpu"))
+    doc = make_docs(cfg.data, [1], None)[0]
+    with torch.no_grad():
+        att = model(torch.tensor([doc.ids]), output_attentions=True).attentions
+    rec = next(r for r in TeacherDataset(out).records() if r.doc == 1 and r.event == 0 and r.layer == 1)
+    t_e = rec.positions.numel()
+    a = att[1][0].view(2, 2, *att[1].shape[-2:]).mean(1)  # (Hkv, T, T), head-mean
+    u = 0.5 * a[:, t_e : t_e + 64, :t_e].amax(1) + 0.5 * a[:, doc.qa_start :, :t_e].amax(1)
+    torch.testing.assert_close(rec.pi_u, u / u.sum(-1, keepdim=True), atol=1e-5, rtol=1e-4)
+
+
 def test_reader_refuses_mismatches(one_proc, tmp_path):
     out, _ = one_proc
     cfg = load_config(TeacherConfig, TINY)

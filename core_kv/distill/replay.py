@@ -170,6 +170,7 @@ class ReplaySpec:
     policy: str = "student"
     targets: bool = True  # compute π_U and p* (training, metrics); the memory stage needs π_U only for α
     utility: bool = True
+    utility_pool: str = "mean"  # TeacherConfig.utility_pool
     features: int = 1  # the feature spec (core_kv.features.FEATURE_SPECS) of the indexer being trained/replayed
 
     @classmethod
@@ -179,7 +180,8 @@ class ReplaySpec:
         return cls(
             chunk_size=t["chunk_size"], protected_sinks=t["protected_sinks"], protected_recent=t["protected_recent"],
             qa_weight=t["qa_weight"], lam=t["lam"], lam_layers=t.get("lam_layers", {}), steps=t["steps"],
-            eta=t["eta"] if t["eta"] == "auto" else float(t["eta"]), **options,
+            eta=t["eta"] if t["eta"] == "auto" else float(t["eta"]), utility_pool=t.get("utility_pool", "mean"),
+            **options,
         )  # fmt: skip
 
 
@@ -276,7 +278,9 @@ def replay_layer(
                 fpos, fw = future_queries(t_e, spec.chunk_size, qa_start, t_len, spec.qa_weight, dev)
                 if len(fpos):
                     qf = acts.q_post[:, fpos].view(hkv, g, len(fpos), d)
-                    u = future_utility(qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw)
+                    u = future_utility(
+                        qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw, pool=spec.utility_pool
+                    )
                     pi_u = normalise(u.gather(1, cand).double())  # (Hkv, N)
                     if spec.targets:
                         p_star, _ = solve_allocation(

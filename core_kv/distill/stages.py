@@ -62,7 +62,8 @@ def calibrate(tr: Trainer) -> dict:
     with torch.no_grad():
         for i, doc in zip(mine, tr.docs([CALIB_OFFSET + i for i in mine]), strict=True):
             ratio = cfg.ratios[i % len(cfg.ratios)]
-            spec = replace(tr.spec, ratio=ratio, policy="student", targets=False, utility=True)
+            # α is the evicted attention mass of the future queries: always the mean pool, whatever the teacher's
+            spec = replace(tr.spec, ratio=ratio, policy="student", targets=False, utility=True, utility_pool="mean")
             acts = ctx.acts(doc)
             for layer, a in enumerate(acts):
                 for ev in replay_layer(

@@ -95,6 +95,9 @@ class TeacherConfig:
     # feature spec of the records (core_kv.features.FEATURE_SPECS): 1 = the shipped artifacts', 2 = key
     # distinctiveness (KeyDiff) and twin rarity (TwinKV) in place of the sink/local flags (docs/method.md)
     features: int = 1
+    # how the future queries' attention becomes utility (core_kv.teacher.utility.future_utility): "mean" (CORE.md
+    # stage 1) or "max" per query group (a deviation: docs/method.md, "Max-pooled utility")
+    utility_pool: str = "mean"
 
     def __post_init__(self) -> None:
         if self.data.seed == 42:
@@ -107,6 +110,8 @@ class TeacherConfig:
             raise ValueError(f"lam must be >= 0, got {self.lam}")
         self.lam_at(0)  # validates lam_layers
         check_version(self.features, "features")
+        if self.utility_pool not in ("mean", "max"):
+            raise ValueError(f"utility_pool must be 'mean' or 'max', got {self.utility_pool!r}")
         if not 0 <= self.qa_weight <= 1:
             raise ValueError(f"qa_weight must be in [0, 1], got {self.qa_weight}")
         if not self.ratios or any(not 0 <= r < 1 for r in self.ratios):
@@ -156,6 +161,7 @@ class TeacherConfig:
             "d_z": self.d_z,
             "num_prototypes": self.num_prototypes,
             "candidates": "full cache (all tokens before the event)",
+            **({"utility_pool": self.utility_pool} if self.utility_pool != "mean" else {}),
         }
 
 

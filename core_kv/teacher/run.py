@@ -164,7 +164,8 @@ def process_layer(
             weights = torch.cat([torch.full((len(nxt),), (1 - w_qa) / max(len(nxt), 1)),
                                  torch.full((len(qa),), w_qa / max(len(qa), 1))])  # fmt: skip
             qf = q_post[:, fpos].view(hkv, g, len(fpos), d)
-            u = future_utility(qf, k_post[:, : int(fpos.max()) + 1], fpos, t_e, scaling, weights)
+            kv = k_post[:, : int(fpos.max()) + 1]
+            u = future_utility(qf, kv, fpos, t_e, scaling, weights, pool=cfg.utility_pool)
             pi_u = normalise(u.double())  # (Hkv, N)
         with timer("features"):
             wpos = torch.arange(max(0, t_e - OBS_WINDOW), t_e, device=device)

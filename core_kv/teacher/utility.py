@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+POOLS = ("mean", "max")
+
 
 def future_utility(
     queries: torch.Tensor,
@@ -22,8 +24,9 @@ def future_utility(
     scaling: float,
     query_weights: torch.Tensor | None = None,
     block: int = 256,
+    pool: str = "mean",
 ) -> torch.Tensor:
-    """Mean full-cache attention mass the future queries put on each candidate.
+    """Mean (or max-pooled) full-cache attention mass the future queries put on each candidate.
 
     Args:
         queries: Post-RoPE future queries (Hkv, G, T_q, D).
@@ -33,10 +36,15 @@ def future_utility(
         scaling: The attention score scale (``module.scaling``).
         query_weights: Weights of the queries (T_q,), summing to 1; uniform by default.
         block: Queries per block (bounds memory at Hkv·G·block·K floats).
+        pool: ``mean``: ``u_i = Σ_τ w_τ ā_τi`` (ā: mean over the G heads). ``max``: the queries of equal weight form a
+            group (the next chunk, the QA tail) and ``u_i = Σ_c W_c max_{τ∈c} ā_τi`` with ``W_c`` the group's total
+            weight: a candidate is worth what its most demanding future query needs (a deviation; docs/method.md).
 
     Returns:
-        ``u`` (Hkv, N): weighted mean over queries and heads of the attention on each candidate (not normalised).
+        ``u`` (Hkv, N): the pooled attention on each candidate (not normalised).
     """
+    if pool not in POOLS:
+        raise ValueError(f"utility pool must be one of {POOLS}, got {pool!r}")
     h, g, tq, d = queries.shape
     if query_weights is None:
         query_weights = torch.full((tq,), 1.0 / tq)
@@ -44,12 +52,24 @@ def future_utility(
     key_pos = torch.arange(keys.shape[1], device=keys.device)
     kf = keys.float()
     u = keys.new_zeros(h, num_candidates, dtype=torch.float32)
+    groups = query_weights.unique()
+    peak = keys.new_zeros(len(groups), h, num_candidates, dtype=torch.float32)  # max pool: per group
+    group_of = (query_weights[:, None] == groups[None]).float().argmax(-1)  # (T_q,)
     for s in range(0, tq, block):
         q = queries[:, :, s : s + block].float()  # (Hkv, G, b, D)
         logits = (q @ kf[:, None].mT) * scaling  # (Hkv, G, b, K)
         mask = key_pos[None, :] > query_pos[s : s + block, None].to(keys.device)  # (b, K)
         probs = logits.masked_fill_(mask, float("-inf")).softmax(-1)[..., :num_candidates]
-        u += torch.einsum("hgbn,b->hn", probs, query_weights[s : s + block]) / g
+        if pool == "mean":
+            u += torch.einsum("hgbn,b->hn", probs, query_weights[s : s + block]) / g
+            continue
+        heads_mean = probs.mean(1)  # (Hkv, b, N)
+        for c in group_of[s : s + block].unique().tolist():
+            rows = group_of[s : s + block] == c
+            peak[c] = torch.maximum(peak[c], heads_mean[:, rows].amax(1))
+    if pool == "max":
+        totals = torch.stack([query_weights[group_of == c].sum() for c in range(len(groups))])
+        u = torch.einsum("chn,c->hn", peak, totals)
     return u
 
 
