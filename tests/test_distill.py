@@ -251,6 +251,8 @@ def test_replay_targets_follow_the_utility_pool(replayed):
     a = acts[1]
     for em, ex in zip(mean, peak, strict=True):
         assert torch.equal(em.cand, ex.cand) and not torch.allclose(em.pi_u, ex.pi_u)
+        torch.testing.assert_close(ex.mass, em.pi_u)  # α is measured with the mean pool either way
+        assert em.mass is em.pi_u
         fpos, fw = future_queries(ex.t_e, 64, qa, a.q_post.shape[1], 0.5)
         qf = a.q_post[:, fpos].view(2, 2, len(fpos), -1)
         u = future_utility(qf, a.k_post[:, : int(fpos.max()) + 1], fpos, ex.t_e, a.scaling, fw, pool="max")

@@ -69,7 +69,7 @@ def _event_rows(tag, policy, layer, ev, spec, ratio, geometry, acts, idx, greedy
         if ev.evicts and ev.b_free > 0:
             row["overlap"] = float(topb_overlap(ev.scores, ev.p_star, ev.protected, ev.b_free).mean())
             ev_mask = ~ev.kept
-            row["alpha"] = (ev.pi_u * ev_mask).sum(-1).float().tolist()
+            row["alpha"] = (ev.mass * ev_mask).sum(-1).float().tolist()
             row["eps_cal"] = excluded_mass(ev.scores, ev_mask, idx.temperature[layer]).tolist()
             row["eps_raw"] = excluded_mass(ev.scores, ev_mask, 1.0).tolist()
         return row

@@ -200,6 +200,12 @@ class Event:
     protected: torch.Tensor  # (N,) protected mask
     budget: int  # B (tokens kept per head); N if nothing is evicted
     b_free: int  # free picks inside B
+    pi_mass: torch.Tensor | None = None  # (Hkv, N) mean-pooled π_U when π_U is max-pooled (the attention-mass view)
+
+    @property
+    def mass(self) -> torch.Tensor | None:
+        """The future queries' mean attention share per candidate: what α (evicted mass) is measured with."""
+        return self.pi_u if self.pi_mass is None else self.pi_mass
 
     @property
     def evicts(self) -> bool:
@@ -272,7 +278,7 @@ def replay_layer(
         if score_fn is not None:
             with timer("indexer"):
                 scores = score_fn(layer, feats)
-        pi_u = p_star = None
+        pi_u = p_star = pi_mass = None
         if spec.targets or spec.utility:
             with timer("teacher"):
                 fpos, fw = future_queries(t_e, spec.chunk_size, qa_start, t_len, spec.qa_weight, dev)
@@ -282,6 +288,9 @@ def replay_layer(
                         qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw, pool=spec.utility_pool
                     )
                     pi_u = normalise(u.gather(1, cand).double())  # (Hkv, N)
+                    if spec.utility_pool != "mean":
+                        u = future_utility(qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw)
+                        pi_mass = normalise(u.gather(1, cand).double())
                     if spec.targets:
                         p_star, _ = solve_allocation(
                             pi_u, phi[heads, cand].double(), layer_lam(spec.lam, spec.lam_layers, layer), spec.steps,
@@ -300,7 +309,9 @@ def replay_layer(
                 raise ValueError("student policy needs a score_fn")
             kept = top_free(sel.detach().float(), prot, b - int(prot.sum()))
         end = times[e + 1] if e + 1 < len(times) else t_len
-        events.append(Event(t_e, end, cand, feats, scores, pi_u, p_star, kept, prot, b, b - int(prot.sum())))
+        events.append(
+            Event(t_e, end, cand, feats, scores, pi_u, p_star, kept, prot, b, b - int(prot.sum()), pi_mass)
+        )
         retained = cand[kept].view(hkv, -1) if spec.policy != "full" else cand
         prev = t_e
     return events
