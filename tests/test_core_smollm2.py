@@ -1,5 +1,6 @@
-"""The shipped CORE artifact for SmolLM2-135M (``checkpoints/core-smollm2/final``): loads, matches SmolLM2's
-fingerprint, compresses a real SmolLM2 prefill to the exact budget, and is refused on another base model."""
+"""The shipped CORE artifacts for SmolLM2-135M (``checkpoints/core-smollm2/final``, feature spec v1, and
+``checkpoints/core-smollm2-v2/final``, spec v2): each loads, matches SmolLM2's fingerprint, compresses a real SmolLM2
+prefill to the exact budget, and is refused on another base model."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from core_kv.models.loading import load_model
 from core_kv.presses import build_press
 from core_kv.teacher.geometry import FingerprintMismatch, model_fingerprint
 
-ARTIFACT = Path(__file__).resolve().parents[1] / "checkpoints" / "core-smollm2" / "final"
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+ARTIFACTS = {1: CHECKPOINTS / "core-smollm2" / "final", 2: CHECKPOINTS / "core-smollm2-v2" / "final"}
+
+
+@pytest.fixture(params=sorted(ARTIFACTS), ids=lambda v: f"spec-v{v}")
+def artifact(request) -> Path:
+    return ARTIFACTS[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -22,22 +29,23 @@ def smollm2():
     return load_model("smollm2-135m", dtype="float32")
 
 
-def test_artifact_matches_smollm2s_fingerprint(smollm2):
+def test_artifact_matches_smollm2s_fingerprint(smollm2, artifact):
     from core_kv.core_model import CoreModel
 
-    core = CoreModel.from_pretrained(ARTIFACT)
+    core = CoreModel.from_pretrained(artifact)
+    assert core.config.feature_spec["version"] == next(v for v, p in ARTIFACTS.items() if p == artifact)
     stored = core.config.fingerprint
     assert stored == model_fingerprint(smollm2[0])
     assert stored["name"] == "smollm2-135m" and stored["layers"] == 30 and stored["kv_heads"] == 3
 
 
 @pytest.mark.parametrize("ratio", [0.75, 0.9])
-def test_compresses_a_smollm2_prefill_to_the_exact_budget(smollm2, ratio):
+def test_compresses_a_smollm2_prefill_to_the_exact_budget(smollm2, artifact, ratio):
     model, tok = smollm2
     text = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 24
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)[:512]])
     n = ids.shape[1]
-    press = build_press("core", checkpoint=str(ARTIFACT), compression_ratio=ratio)
+    press = build_press("core", checkpoint=str(artifact), compression_ratio=ratio)
     cache = DynamicCache()
     with torch.inference_mode(), press(model):
         model.model(input_ids=ids, past_key_values=cache)
@@ -47,9 +55,9 @@ def test_compresses_a_smollm2_prefill_to_the_exact_budget(smollm2, ratio):
     assert len(press.events) == 30 and all(e["budget"] == budget for e in press.events)
 
 
-def test_refused_on_another_base_model():
+def test_refused_on_another_base_model(artifact):
     proxy, tok = load_model("checkpoints/proxy-lm", dtype="float32")
-    press = build_press("core", checkpoint=str(ARTIFACT), compression_ratio=0.75)
+    press = build_press("core", checkpoint=str(artifact), compression_ratio=0.75)
     ids = torch.tensor([tok.encode("The grass is green. " * 20)])
     with pytest.raises(FingerprintMismatch), torch.inference_mode(), press(proxy):
         proxy.model(input_ids=ids, past_key_values=DynamicCache())
