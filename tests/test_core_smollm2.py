@@ -61,3 +61,30 @@ def test_refused_on_another_base_model(artifact):
     ids = torch.tensor([tok.encode("The grass is green. " * 20)])
     with pytest.raises(FingerprintMismatch), torch.inference_mode(), press(proxy):
         proxy.model(input_ids=ids, past_key_values=DynamicCache())
+
+
+def test_run_key_matches_the_recorded_config(artifact):
+    """``run.json`` is the key the trainer computes from the artifact's resolved ``config.yaml``: a relaunch of that
+    config into the folder resumes it, and a relaunch of any other config (another feature spec included) does not
+    mistake the folder for its own."""
+    import json
+
+    from core_kv.config import load_config
+    from core_kv.distill.config import TrainConfig
+    from core_kv.distill.trainer import Trainer
+
+    folder = artifact.parent
+    stored = json.loads((folder / "run.json").read_text())
+    cfg = load_config(TrainConfig, ["--config", str(folder / "config.yaml")])
+    trainer = Trainer.__new__(Trainer)  # the key needs the config and the base model's fingerprint, no accelerator
+    trainer.cfg, trainer.fingerprint = cfg, stored["fingerprint"]
+    assert trainer.run_key() == stored
+    assert cfg.teacher.features == next(v for v, p in ARTIFACTS.items() if p == artifact)
+
+
+def test_artifacts_of_different_feature_specs_have_different_run_keys():
+    import json
+
+    keys = [json.loads((p.parent / "run.json").read_text()) for p in ARTIFACTS.values()]
+    assert keys[0]["config_hash"] != keys[1]["config_hash"]
+    assert all(keys[0]["stages"][s] != keys[1]["stages"][s] for s in keys[0]["stages"])
