@@ -261,3 +261,20 @@ def test_replay_targets_follow_the_utility_pool(replayed):
          "eta": "auto"}  # fmt: skip
     assert ReplaySpec.from_teacher(t).utility_pool == "mean"
     assert ReplaySpec.from_teacher({**t, "utility_pool": "max"}).utility_pool == "max"
+
+
+def test_future_utilities_one_pass_equals_each_pool_alone():
+    """``future_utilities`` (the replay's single pass for the teacher's pool and α's mean) returns, pool for pool,
+    exactly what :func:`future_utility` returns for that pool alone, across query blocks and two query groups."""
+    from core_kv.teacher.utility import future_utilities, future_utility
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 10, 8, generator=g), torch.randn(2, 40, 8, generator=g)
+    pos = torch.tensor([20, 21, 22, 23, 24, 25, 34, 35, 36, 39])
+    w = torch.cat([torch.full((6,), 0.5 / 6), torch.full((4,), 0.5 / 4)])
+    both = future_utilities(q, k, pos, 20, 0.35, w, block=4, pools=("max", "mean"))
+    assert set(both) == {"max", "mean"}
+    for pool in ("mean", "max"):
+        assert torch.equal(both[pool], future_utility(q, k, pos, 20, 0.35, w, block=4, pool=pool))
+    with pytest.raises(ValueError, match="utility pool"):
+        future_utilities(q, k, pos, 20, 0.35, w, pools=("median",))

@@ -45,7 +45,7 @@ from core_kv.teacher.config import layer_lam
 from core_kv.teacher.geometry import Geometry
 from core_kv.teacher.metrics import protected_mask, top_free
 from core_kv.teacher.solver import solve_allocation
-from core_kv.teacher.utility import future_utility, normalise
+from core_kv.teacher.utility import future_utilities, normalise
 
 POLICIES = ("student", "teacher", "full")
 
@@ -284,13 +284,15 @@ def replay_layer(
                 fpos, fw = future_queries(t_e, spec.chunk_size, qa_start, t_len, spec.qa_weight, dev)
                 if len(fpos):
                     qf = acts.q_post[:, fpos].view(hkv, g, len(fpos), d)
-                    u = future_utility(
-                        qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw, pool=spec.utility_pool
+                    # one pass over the attention gives the teacher's pool and, when that is not the mean, the
+                    # mean-pooled mass that α is measured with
+                    pools = tuple(dict.fromkeys((spec.utility_pool, "mean")))
+                    u = future_utilities(
+                        qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw, pools=pools
                     )
-                    pi_u = normalise(u.gather(1, cand).double())  # (Hkv, N)
+                    pi_u = normalise(u[spec.utility_pool].gather(1, cand).double())  # (Hkv, N)
                     if spec.utility_pool != "mean":
-                        u = future_utility(qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw)
-                        pi_mass = normalise(u.gather(1, cand).double())
+                        pi_mass = normalise(u["mean"].gather(1, cand).double())
                     if spec.targets:
                         p_star, _ = solve_allocation(
                             pi_u, phi[heads, cand].double(), layer_lam(spec.lam, spec.lam_layers, layer), spec.steps,
@@ -309,9 +311,7 @@ def replay_layer(
                 raise ValueError("student policy needs a score_fn")
             kept = top_free(sel.detach().float(), prot, b - int(prot.sum()))
         end = times[e + 1] if e + 1 < len(times) else t_len
-        events.append(
-            Event(t_e, end, cand, feats, scores, pi_u, p_star, kept, prot, b, b - int(prot.sum()), pi_mass)
-        )
+        events.append(Event(t_e, end, cand, feats, scores, pi_u, p_star, kept, prot, b, b - int(prot.sum()), pi_mass))
         retained = cand[kept].view(hkv, -1) if spec.policy != "full" else cand
         prev = t_e
     return events

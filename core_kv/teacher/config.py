@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from core_kv.config import parse_layers
 from core_kv.features import OBS_WINDOW, check_version
+from core_kv.teacher.utility import POOLS
 
 PROXY_MIX = {
     "niah_single_1": 0.1,
@@ -110,8 +111,8 @@ class TeacherConfig:
             raise ValueError(f"lam must be >= 0, got {self.lam}")
         self.lam_at(0)  # validates lam_layers
         check_version(self.features, "features")
-        if self.utility_pool not in ("mean", "max"):
-            raise ValueError(f"utility_pool must be 'mean' or 'max', got {self.utility_pool!r}")
+        if self.utility_pool not in POOLS:
+            raise ValueError(f"utility_pool must be one of {POOLS}, got {self.utility_pool!r}")
         if not 0 <= self.qa_weight <= 1:
             raise ValueError(f"qa_weight must be in [0, 1], got {self.qa_weight}")
         if not self.ratios or any(not 0 <= r < 1 for r in self.ratios):

@@ -43,8 +43,22 @@ def future_utility(
     Returns:
         ``u`` (Hkv, N): the pooled attention on each candidate (not normalised).
     """
-    if pool not in POOLS:
-        raise ValueError(f"utility pool must be one of {POOLS}, got {pool!r}")
+    return future_utilities(queries, keys, query_pos, num_candidates, scaling, query_weights, block, (pool,))[pool]
+
+
+def future_utilities(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_pos: torch.Tensor,
+    num_candidates: int,
+    scaling: float,
+    query_weights: torch.Tensor | None = None,
+    block: int = 256,
+    pools: tuple[str, ...] = ("mean",),
+) -> dict[str, torch.Tensor]:
+    """:func:`future_utility` under each of ``pools`` (arguments as there), from one pass over the attention."""
+    if not pools or any(p not in POOLS for p in pools):
+        raise ValueError(f"utility pool must be one of {POOLS}, got {pools!r}")
     h, g, tq, d = queries.shape
     if query_weights is None:
         query_weights = torch.full((tq,), 1.0 / tq)
@@ -60,17 +74,20 @@ def future_utility(
         logits = (q @ kf[:, None].mT) * scaling  # (Hkv, G, b, K)
         mask = key_pos[None, :] > query_pos[s : s + block, None].to(keys.device)  # (b, K)
         probs = logits.masked_fill_(mask, float("-inf")).softmax(-1)[..., :num_candidates]
-        if pool == "mean":
+        if "mean" in pools:
             u += torch.einsum("hgbn,b->hn", probs, query_weights[s : s + block]) / g
-            continue
-        heads_mean = probs.mean(1)  # (Hkv, b, N)
-        for c in group_of[s : s + block].unique().tolist():
-            rows = group_of[s : s + block] == c
-            peak[c] = torch.maximum(peak[c], heads_mean[:, rows].amax(1))
-    if pool == "max":
+        if "max" in pools:
+            heads_mean = probs.mean(1)  # (Hkv, b, N)
+            for c in group_of[s : s + block].unique().tolist():
+                rows = group_of[s : s + block] == c
+                peak[c] = torch.maximum(peak[c], heads_mean[:, rows].amax(1))
+    out = {}
+    if "mean" in pools:
+        out["mean"] = u
+    if "max" in pools:
         totals = torch.stack([query_weights[group_of == c].sum() for c in range(len(groups))])
-        u = torch.einsum("chn,c->hn", peak, totals)
-    return u
+        out["max"] = torch.einsum("chn,c->hn", peak, totals)
+    return out
 
 
 def normalise(u: torch.Tensor) -> torch.Tensor:
