@@ -1,0 +1,144 @@
+"""End-to-end retrieval signal: the needle's likelihood under each press's compressed cache.
+
+Issue 20's open question is why the learned allocation, better than KeyDiff's by every single-layer measure, answers
+fewer needles. Answered / not answered is a coarse, noisy count (12 prompts per row move in steps of 8%); this
+benchmark measures the same prompts continuously. For each held-out needle prompt (``needle_wording.py``'s builder:
+seed 7, never RULER's 42; chat template on) and each method, the context is compressed in one-shot prefill exactly as
+the pipeline does (``core_kv.pipeline.prefill``), then the question + answer prefix + the true answer ``" <value>."``
+are teacher-forced on the compressed cache with the press still installed, as the pipeline answers (ragged attention,
+the memory's readout; ``core_kv.eval.fidelity.continuation_logprobs``). Reported per method
+and haystack:
+
+- ``nll``: mean negative log-likelihood (nats) of the answer's tokens (the value's digits and the final period);
+- ``Δnll``: the same minus the full cache's on the same prompt (0 = lossless);
+- ``top1``: share of prompts whose every answer token is the compressed model's argmax under teacher forcing (a
+  greedy copy of the value, given the answer's format);
+- ``first miss``: mean index of the first answer token that is not the argmax (the answer's length if none):
+  where a garbled copy goes wrong.
+
+Methods are press names, ``full``, or labels with a ``kind`` (as in the evaluation configs), so variants of one
+press compare side by side::
+
+    .venv/bin/python benchmarks/answer_likelihood.py --methods full keydiff core nomem \\
+        --press-option core.checkpoint=checkpoints/core-smollm2/final \\
+        --press-option nomem.kind=core --press-option nomem.checkpoint=checkpoints/core-smollm2/final \\
+        --press-option nomem.memory=false --ratio 0.75 --haystacks noise essay --n 12
+
+``core_mix`` (``benchmarks/allocation_mix.py``: another press's scores in some layers of the ``core`` press) is
+registered too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from needle_wording import HAYSTACKS, WORDINGS, build_prompts, parse_press_options  # noqa: E402
+
+
+def answer_scores(logprobs: torch.Tensor, answer: list[int]) -> dict:
+    """Scores of the answer tokens from the log-probs ``(T, V)`` of the fed sequence whose last ``len(answer)`` rows
+    predict them (row i predicts fed token i + 1)."""
+    rows = logprobs[-len(answer) :]
+    target = torch.tensor(answer, device=rows.device)
+    nll = -rows.gather(-1, target[:, None])[:, 0]
+    hit = rows.argmax(-1) == target
+    misses = (~hit).nonzero().flatten()
+    return {
+        "nll": float(nll.mean()),
+        "top1": bool(hit.all()),
+        "first_miss": int(misses[0]) if len(misses) else len(answer),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="model name or folder (core_kv.models.loading)")
+    ap.add_argument("--methods", nargs="+", default=["full", "keydiff"],
+                    help="press names or labels with a kind (--press-option label.kind=<press>); full = no press")  # fmt: skip
+    ap.add_argument("--ratio", type=float, default=0.75, help="compression ratio of every press")
+    ap.add_argument("--press-option", action="append", default=[], help="method.option=value (JSON values)")
+    ap.add_argument("--wording", default="ruler", choices=list(WORDINGS))
+    ap.add_argument("--haystacks", nargs="+", default=list(HAYSTACKS), choices=list(HAYSTACKS))
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--n", type=int, default=12, help="prompts per haystack")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default="", help="write the per-prompt rows and the summary here")
+    args = ap.parse_args(argv)
+    if args.n < 1 or args.length < 64 or not 0 < args.ratio < 1:
+        raise SystemExit("--n must be >= 1, --length >= 64, --ratio in (0, 1)")
+    if args.seed == 42:
+        raise SystemExit("--seed 42 is RULER's evaluation seed; use another")
+
+    from allocation_mix import register_core_mix
+
+    import core_kv.presses  # noqa: F401
+    from core_kv.eval.fidelity import continuation_logprobs
+    from core_kv.models.loading import load_model
+    from core_kv.pipeline import encode, prefill
+    from core_kv.presses import build_press
+
+    register_core_mix()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model, dtype="float32")
+    options = parse_press_options(args.press_option)
+    unknown = set(options) - set(args.methods)
+    if unknown:
+        raise SystemExit(f"--press-option for methods not in --methods: {sorted(unknown)}")
+    presses = {}
+    for m in args.methods:
+        if m == "full":
+            presses[m] = None
+            continue
+        opts = dict(options.get(m, {}))
+        presses[m] = build_press(opts.pop("kind", m), compression_ratio=args.ratio, **opts)
+    rows = []
+    for hay in args.haystacks:
+        for i, p in enumerate(build_prompts(tok, args.wording, hay, args.length, args.n, args.seed)):
+            enc = encode(tok, p["context"], [p["question"]], [p["prefix"]])
+            answer = tok.encode(f" {p['value']}.", add_special_tokens=False)
+            fed = torch.cat([enc.question_ids[0], torch.tensor([answer])], 1)
+            ctx = enc.context_ids
+            for m, press in presses.items():
+                t0 = time.time()
+                cache = prefill(model, ctx, press)
+                with torch.inference_mode():
+                    lp = continuation_logprobs(model, cache, ctx.shape[1], fed[:, :-1], press)
+                rows.append({"haystack": hay, "prompt": i, "method": m, "value": p["value"],
+                             "depth": round(p["depth"], 3), "seconds": round(time.time() - t0, 2),
+                             **answer_scores(lp, answer)})  # fmt: skip
+            print(f"[answer_likelihood] {hay} prompt {i + 1}/{args.n}", file=sys.stderr, flush=True)
+    full_nll = {(r["haystack"], r["prompt"]): r["nll"] for r in rows if r["method"] == "full"}
+    summary = []
+    print(f"\nmodel {args.model} | ratio {args.ratio} | {args.n} prompts per haystack, {args.length} tokens, "
+          f"{args.wording} wording, seed {args.seed}")  # fmt: skip
+    print("| method | haystack | nll | Δnll vs full | top1 | first miss |")
+    print("|---|---|---|---|---|---|")
+    for m in args.methods:
+        for hay in args.haystacks:
+            sel = [r for r in rows if r["method"] == m and r["haystack"] == hay]
+            s = {"method": m, "haystack": hay, "nll": statistics.mean(r["nll"] for r in sel),
+                 "top1": sum(r["top1"] for r in sel) / len(sel),
+                 "first_miss": statistics.mean(r["first_miss"] for r in sel)}  # fmt: skip
+            if full_nll:
+                s["dnll"] = statistics.mean(r["nll"] - full_nll[(hay, r["prompt"])] for r in sel)
+            summary.append(s)
+            dn = f"{s['dnll']:+.3f}" if "dnll" in s else "–"
+            print(f"| {m} | {hay} | {s['nll']:.3f} | {dn} | {s['top1']:.2f} | {s['first_miss']:.2f} |")
+    payload = {"args": vars(args), "summary": summary, "rows": rows}
+    if args.json:
+        from core_kv.io import atomic_write_json
+
+        atomic_write_json(Path(args.json), payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
