@@ -39,18 +39,23 @@ from needle_wording import build_prompts, parse_press_options  # noqa: E402
 
 
 def context_ids_and_spans(tok, prompt: dict) -> tuple[list[int], set[int], set[int]]:
-    """Context token ids as the pipeline builds them (chat template), and the needle / value token positions."""
-    sep = "#" * (len(prompt["context"]) + 10)
-    text = tok.apply_chat_template([{"role": "user", "content": prompt["context"] + sep}], add_generation_prompt=True,
-                                   tokenize=False).split(sep)[0]  # fmt: skip
+    """Context token ids as the pipeline builds them (the chat template, or BOS + raw text for a tokenizer without
+    one), and the needle / value token positions."""
+    head: list[int] = []
+    if getattr(tok, "chat_template", None) is not None:
+        sep = "#" * (len(prompt["context"]) + 10)
+        text = tok.apply_chat_template([{"role": "user", "content": prompt["context"] + sep}],
+                                       add_generation_prompt=True, tokenize=False).split(sep)[0]  # fmt: skip
+    else:  # the pipeline's raw-text encoding: BOS (if any) + the context
+        text, head = prompt["context"], [tok.bos_token_id] if tok.bos_token_id is not None else []
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     start = text.index(prompt["needle"])
     end = start + len(prompt["needle"])
     v0 = text.index(prompt["value"], start)
     v1 = v0 + len(prompt["value"])
-    needle = {i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start}
-    value = {i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < v1 and b > v0}
-    return enc["input_ids"], needle, value
+    needle = {len(head) + i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start}
+    value = {len(head) + i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < v1 and b > v0}
+    return head + enc["input_ids"], needle, value
 
 
 def kept_positions(cache, full_keys: list[torch.Tensor]) -> list[list[set[int]]]:
