@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from needle_wording import HAYSTACKS, WORDINGS, build_prompts, parse_press_options  # noqa: E402
+from needle_wording import HAYSTACKS, WORDINGS, build_labelled_presses, build_prompts, parse_press_options  # noqa: E402
 
 
 def answer_scores(logprobs: torch.Tensor, answer: list[int]) -> dict:
@@ -83,22 +83,11 @@ def main(argv: list[str] | None = None) -> dict:
     from core_kv.eval.fidelity import continuation_logprobs
     from core_kv.models.loading import load_model
     from core_kv.pipeline import encode, prefill
-    from core_kv.presses import build_press
 
     register_core_mix()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
-    options = parse_press_options(args.press_option)
-    unknown = set(options) - set(args.methods)
-    if unknown:
-        raise SystemExit(f"--press-option for methods not in --methods: {sorted(unknown)}")
-    presses = {}
-    for m in args.methods:
-        if m == "full":
-            presses[m] = None
-            continue
-        opts = dict(options.get(m, {}))
-        presses[m] = build_press(opts.pop("kind", m), compression_ratio=args.ratio, **opts)
+    presses = build_labelled_presses(args.methods, parse_press_options(args.press_option), args.ratio)
     rows = []
     for hay in args.haystacks:
         for i, p in enumerate(build_prompts(tok, args.wording, hay, args.length, args.n, args.seed)):

@@ -104,6 +104,21 @@ def parse_press_options(items: list[str]) -> dict[str, dict]:
     return opts
 
 
+def build_labelled_presses(methods: list[str], options: dict[str, dict], ratio: float) -> dict:
+    """One press per label at ``ratio``: a press name, ``full`` (None: no press), or a label whose options name its
+    press with ``kind`` (as in the evaluation configs), so variants of one press sit side by side."""
+    from core_kv.presses import build_press
+
+    unknown = set(options) - set(methods)
+    if unknown:
+        raise SystemExit(f"--press-option for methods not in --methods: {sorted(unknown)}")
+    presses = {}
+    for m in methods:
+        opts = dict(options.get(m, {}))
+        presses[m] = None if m == "full" else build_press(opts.pop("kind", m), compression_ratio=ratio, **opts)
+    return presses
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model name or folder (core_kv.models.loading)")

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from needle_wording import HAYSTACKS, build_prompts, parse_press_options  # noqa: E402
+from needle_wording import HAYSTACKS, build_labelled_presses, build_prompts, parse_press_options  # noqa: E402
 from retention_audit import context_ids_and_spans, kept_positions, question_attention  # noqa: E402
 
 
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.n < 1 or args.top < 1 or not 0 < args.ratio < 1:
         raise SystemExit("--n and --top must be >= 1, --ratio in (0, 1)")
+    if "full" in args.methods:
+        raise SystemExit("--methods: value_heads compares presses; 'full' keeps every entry (nothing to measure)")
     if args.seed == 42:
         raise SystemExit("--seed 42 is RULER's evaluation seed; use another")
 
@@ -70,15 +72,10 @@ def main(argv: list[str] | None = None) -> dict:
     import core_kv.presses  # noqa: F401
     from core_kv.models.loading import load_model
     from core_kv.pipeline import encode
-    from core_kv.presses import build_press
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
-    options = parse_press_options(args.press_option)
-    presses = {}
-    for m in args.methods:
-        opts = dict(options.get(m, {}))
-        presses[m] = build_press(opts.pop("kind", m), compression_ratio=args.ratio, **opts)
+    presses = build_labelled_presses(args.methods, parse_press_options(args.press_option), args.ratio)
     acc = {m: {"whole": [], "vmass": [], "ret_infl": [], "other_infl": [], "rep": [0, 0], "first": [0, 0]}
            for m in presses}  # fmt: skip
     for p in build_prompts(tok, "ruler", args.haystack, args.length, args.n, args.seed):
