@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
     presses = build_labelled_presses(args.methods, parse_press_options(args.press_option), args.ratio)
-    acc = {m: {"whole": [], "vmass": [], "ret_infl": [], "other_infl": [], "rep": [0, 0], "first": [0, 0]}
+    acc = {m: {"whole": [], "vmass": [], "other_infl": [], "rep": [0, 0], "first": [0, 0]}
            for m in presses}  # fmt: skip
     for p in build_prompts(tok, "ruler", args.haystack, args.length, args.n, args.seed):
         ids, _, value_set = context_ids_and_spans(tok, p)
@@ -111,7 +111,6 @@ def main(argv: list[str] | None = None) -> dict:
                         if layer * n_heads + h in top:
                             a["whole"].append(whole)
                             a["vmass"].append(vmass)
-                            a["ret_infl"].append(infl)
                         else:
                             a["other_infl"].append(infl)
                         for i in value:
