@@ -514,3 +514,69 @@ def test_adaptive_refuses_what_a_ragged_cache_cannot_do(artifact, llama):
         press_for(path, compression_ratio=0.5, head_budgets="per_layer")
     with pytest.raises(ValueError, match="alpha_safeguard"):
         press_for(path, compression_ratio=0.5, head_budgets="adaptive", alpha_safeguard=1.5)
+
+
+def test_allocation_layers_swap_the_retained_set_only_there(artifact, llama):
+    """``allocation="keydiff", allocation_layers="1"`` (one-shot prefill, one event per layer on the full cache):
+    layer 0 keeps what the indexer press keeps, layer 1 what the all-KeyDiff press keeps."""
+    _, path = artifact
+    runs = {}
+    for name, options in (("indexer", {}), ("keydiff", {"allocation": "keydiff"}),
+                          ("mixed", {"allocation": "keydiff", "allocation_layers": "1"})):  # fmt: skip
+        press = press_for(path, compression_ratio=0.75, **options)
+        runs[name] = run_recording(press, llama, ids())[1]
+    assert torch.equal(runs["mixed"][0], runs["indexer"][0])
+    assert torch.equal(runs["mixed"][1], runs["keydiff"][1])
+    assert not torch.equal(runs["indexer"][1], runs["keydiff"][1])
+
+
+def test_adaptive_allocation_press_is_adakv_over_that_press(artifact, llama):
+    """With ``head_budgets="adaptive"`` the heads compete on the allocation press's raw scores: ExpectedAttention with
+    ε = 1e-2, no protected positions and no memory is kvpress's leaderboard AdaKV(ExpectedAttention), logits bit for
+    bit."""
+    _, path = artifact
+    ctx, q = ids(), ids(6, seed=2)
+    with pytest.warns(UserWarning, match="overrides the artifact"):
+        core_ea = press_for(path, compression_ratio=0.75, allocation="expected_attention", head_budgets="adaptive",
+                            allocation_options={"epsilon": 1e-2}, protected_sinks=0, protected_recent=0, memory=False)  # fmt: skip
+    adakv = build_press("adakv_expected_attention", compression_ratio=0.75)
+    torch.testing.assert_close(logits_after(llama, core_ea, ctx, q), logits_after(llama, adakv, ctx, q), rtol=0, atol=0)
+
+
+def test_allocation_options_are_checked(artifact):
+    _, path = artifact
+    for options, what in (({"allocation_layers": "1"}, "allocation_layers"),
+                          ({"allocation_options": {"epsilon": 0.1}}, "allocation_options"),
+                          ({"allocation": "keydiff", "allocation_layers": "x"}, "allocation_layers"),
+                          ({"allocation": "keydiff", "allocation_options": {"epsilon": 0.1}}, "allocation_options"),
+                          ({"allocation": "expected_attention", "allocation_options": [1]}, "allocation_options"),
+                          ({"allocation": "expected_attention", "allocation_options": {"n_sink": -1}}, "n_sink")):  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            press_for(path, compression_ratio=0.5, **options)
+
+
+def test_output_head_pool_ranks_by_expected_attentions_formula_over_p(artifact, llama):
+    """``head_pool="output"``: the heads of a layer compete on ``(p + ε) · ‖v‖`` (AdaKV's rule written out over that
+    quantity, p the calibrated distribution, v the layer's values); with ``pool_layers="1"`` layer 0 pools p as
+    before. Each layer still keeps Hkv·B entries."""
+    from core_kv.teacher.metrics import protected_mask
+
+    _, path = artifact
+    b, eps = N // 4, 0.05
+    acts = capture(llama, ids())
+    prot = protected_mask(N, 4, 32)
+    press = press_for(path, compression_ratio=0.75, head_budgets="adaptive", head_pool="output", pool_epsilon=eps,
+                      pool_layers="1")  # fmt: skip
+    cache, kept, dists = run_recording(press, llama, ids())
+    assert [sum(h) for h in kv_bytes(cache)["tokens_per_head"]] == [2 * b, 2 * b]
+    for layer in range(2):
+        pooled = dists[layer] if layer == 0 else (dists[layer] + eps) * acts[layer].v.norm(dim=-1)
+        got = {(h, int(j)) for h in range(2) for j in kept[layer][h]}
+        assert got == adaptive_reference(pooled, prot, b, 0.2)
+    assert got != adaptive_reference(dists[1], prot, b, 0.2)  # the value norms moved the split
+    for options, what in (({"head_pool": "value"}, "head_pool"), ({"head_pool": "output"}, "head_budgets"),
+                          ({"head_budgets": "adaptive", "pool_layers": "1"}, "pool_layers"),
+                          ({"head_budgets": "adaptive", "head_pool": "output", "pool_epsilon": -1.0}, "pool_epsilon"),
+                          ({"head_budgets": "adaptive", "head_pool": "output", "allocation": "keydiff"}, "allocation")):  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            press_for(path, compression_ratio=0.5, **options)

@@ -58,6 +58,7 @@ from core_kv.teacher.metrics import protected_mask, top_free
 
 ALLOCATIONS = ("indexer", "expected_attention", "keydiff")
 HEAD_BUDGETS = ("uniform", "adaptive")
+HEAD_POOLS = ("mass", "output")
 NOVELTY = FEATURE_NAMES.index("novelty")  # ridge leverage under uniform p (core_kv.features)
 
 
@@ -113,7 +114,14 @@ class CorePress(BasePress, name="core"):
         calibrated: ``False`` = T = 1 for the mass channel (the "no calibration" ablation; Top-B is unchanged).
         allocation: ``indexer`` (CORE), or ``expected_attention`` / ``keydiff`` (paper Table 13, ``CORE_EA`` /
             ``CORE_KeyDiff``): that press's scores choose Top-B and ``p = softmax(standardise(score))`` drives the
-            writes [choice: rank-preserving and scale-free; these scorers have no fitted temperature].
+            writes [choice: rank-preserving and scale-free; these scorers have no fitted temperature]. With
+            ``head_budgets="adaptive"`` the heads compete on that press's raw scores (AdaKV over the press, as
+            ``adakv_expected_attention`` is AdaKV over ExpectedAttention).
+        allocation_layers: Layers (``"10-19"``) where ``allocation`` chooses the retained set; the indexer chooses
+            it (and drives ε̂ and the writes) everywhere else. ``""`` = every layer (paper Table 13). A per-layer
+            split is a diagnostic [deviation; docs/method.md "Where the learned allocation loses essay needles"].
+        allocation_options: Options of the ``allocation`` press, e.g. ``{"epsilon": 0.01}`` for ExpectedAttention
+            as kvpress's leaderboard entry runs it (``{}`` = that press's defaults).
         budget_matched: Reduce B by the memory state's token-equivalent (state bytes per KV head / bytes of one
             cached token), so CORE's total bytes match a baseline at the same nominal ratio (CORE.md "Inference").
         log_certificate: Keep a shadow copy of every evicted K/V (debug; not counted in ``aux_bytes``) and log per
@@ -138,6 +146,13 @@ class CorePress(BasePress, name="core"):
             ``alpha_safeguard=1`` it is the uniform press exactly. One event per context (one-shot prefill): the
             cache becomes ragged, so chunked prefill, ``decoding`` and ``log_certificate`` are refused.
         alpha_safeguard: AdaKV's per-head floor (kvpress 0.5.5 default 0.2), with ``head_budgets="adaptive"``.
+        head_pool: What the heads compete on with ``head_budgets="adaptive"``: ``mass`` = the calibrated p;
+            ``output`` = ``(p_i + pool_epsilon) · ‖v_i‖``, ExpectedAttention's scoring formula
+            (https://arxiv.org/abs/2510.00636, kvpress: ``(attention + ε) · ‖v‖``) with CORE's calibrated
+            distribution in place of the expected attention — an evicted entry's share of its head's output, so heads whose values are larger
+            keep more [deviation from the paper; docs/method.md "Value-aware head pooling"].
+        pool_epsilon: ε of ``head_pool="output"`` (kvpress's leaderboard AdaKV(ExpectedAttention) uses 1e-2).
+        pool_layers: Layers (``"15-19"``) where ``head_pool`` applies; ``""`` = every layer; the others pool p.
 
     Attributes:
         events: One dict per (layer, event) of the last context: ``t_e``, candidates, budget, evicted count, and per
@@ -153,6 +168,8 @@ class CorePress(BasePress, name="core"):
     memory: bool = True
     calibrated: bool = True
     allocation: str = "indexer"
+    allocation_layers: str = ""
+    allocation_options: dict = field(default_factory=dict)
     budget_matched: bool = False
     log_certificate: bool = False
     certificate_delta: float = 0.05
@@ -161,12 +178,17 @@ class CorePress(BasePress, name="core"):
     coverage_layers: str = ""
     head_budgets: str = "uniform"
     alpha_safeguard: float = 0.2
+    head_pool: str = "mass"
+    pool_epsilon: float = 0.01
+    pool_layers: str = ""
 
     _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _checked: set = field(default_factory=set, init=False, repr=False, compare=False)
     _inner: BasePress | None = field(default=None, init=False, repr=False, compare=False)
     _coverage: set = field(default_factory=set, init=False, repr=False, compare=False)
+    _alloc_layers: set = field(default_factory=set, init=False, repr=False, compare=False)
+    _pool_layers: set = field(default_factory=set, init=False, repr=False, compare=False)
     _rotary: nn.Module | None = field(default=None, init=False, repr=False, compare=False)
     events: list = field(default_factory=list, init=False, repr=False, compare=False)
     certificates: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -185,6 +207,29 @@ class CorePress(BasePress, name="core"):
         self._coverage = set(parse_layers(self.coverage_layers, "coverage_layers"))
         if self._coverage and self.allocation != "indexer":
             raise ValueError(f"coverage_layers applies to allocation='indexer', got allocation={self.allocation!r}")
+        self._alloc_layers = set(parse_layers(self.allocation_layers, "allocation_layers"))
+        if not isinstance(self.allocation_options, dict):
+            raise ValueError(f"allocation_options must be a dict of the allocation press's options, got "
+                             f"{self.allocation_options!r}")  # fmt: skip
+        for option, value in (
+            ("allocation_layers", self._alloc_layers),
+            ("allocation_options", self.allocation_options),
+        ):
+            if value and self.allocation == "indexer":
+                raise ValueError(f"{option} needs allocation='expected_attention' or 'keydiff', got 'indexer'")
+        if self.head_pool not in HEAD_POOLS:
+            raise ValueError(f"head_pool must be one of {HEAD_POOLS}, got {self.head_pool!r}")
+        e = self.pool_epsilon
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not e >= 0:
+            raise ValueError(f"pool_epsilon must be >= 0, got {e!r}")
+        self._pool_layers = set(parse_layers(self.pool_layers, "pool_layers"))
+        if self.head_pool != "mass" and (self.head_budgets != "adaptive" or self.allocation != "indexer"):
+            raise ValueError(
+                f"head_pool={self.head_pool!r} pools CORE's distribution across heads: it needs "
+                f"head_budgets='adaptive' and allocation='indexer'"
+            )
+        if self._pool_layers and self.head_pool == "mass":
+            raise ValueError("pool_layers needs head_pool='output' (the layers where it applies)")
         if self.head_budgets not in HEAD_BUDGETS:
             raise ValueError(f"head_budgets must be one of {HEAD_BUDGETS}, got {self.head_budgets!r}")
         a = self.alpha_safeguard
@@ -206,14 +251,15 @@ class CorePress(BasePress, name="core"):
                     f"{self.name} needs a trained artifact: pass checkpoint=<folder> (e.g. checkpoints/core-proxy/final) "
                     "or use CorePress.from_pretrained(path, compression_ratio=...)"
                 )
-        if self.allocation == "expected_attention":
+        if self.allocation != "indexer":
             from core_kv.presses.expected_attention import ExpectedAttentionPress
-
-            self._inner = ExpectedAttentionPress()
-        elif self.allocation == "keydiff":
             from core_kv.presses.keydiff import KeyDiffPress
 
-            self._inner = KeyDiffPress()
+            cls = ExpectedAttentionPress if self.allocation == "expected_attention" else KeyDiffPress
+            try:
+                self._inner = cls(**self.allocation_options)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"allocation_options {self.allocation_options!r} for {self.allocation}: {e}") from None
 
     def _trained_settings(self) -> None:
         """Load the artifact; the protected positions it was trained with apply unless given (then warn if they
@@ -507,7 +553,8 @@ class CorePress(BasePress, name="core"):
         w = min(self.protected_recent, b - s)
         prot = protected_mask(n, min(s, n), min(w, max(n - s, 0)), device=k.device)
         k_pre = self.unrope(module, k, st["pos"])  # (Hkv, N, D)
-        if self.allocation == "indexer":
+        inner = self.allocation != "indexer" and (not self._alloc_layers or idx in self._alloc_layers)
+        if not inner:
             feats = self._features(module, st, k.float(), v.float(), k_pre)
             scores = self.core.indexer.scores(idx, feats)
             p = self.core.indexer.distribution(idx, scores, calibrated=self.calibrated)
@@ -518,7 +565,10 @@ class CorePress(BasePress, name="core"):
             std = scores.std(-1, keepdim=True).clamp_min(1e-6)
             p = ((scores - scores.mean(-1, keepdim=True)) / std).softmax(-1)
         if self.head_budgets == "adaptive":  # p ranks each head's candidates as its scores do; heads compete on p
-            kept = adaptive_keep(p.float().masked_fill(prot, float("inf")), b, self.alpha_safeguard)
+            pooled = scores if inner else p  # another press's raw scores: AdaKV over that press
+            if self.head_pool == "output" and (not self._pool_layers or idx in self._pool_layers):
+                pooled = (p.float() + self.pool_epsilon) * v.float().norm(dim=-1)  # EA's formula over CORE's p
+            kept = adaptive_keep(pooled.float().masked_fill(prot, float("inf")), b, self.alpha_safeguard)
         else:
             kept = top_free(scores.float(), prot, b - int(prot.sum()))  # (Hkv, N)
         evicted = ~kept
