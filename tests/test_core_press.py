@@ -556,9 +556,9 @@ def test_allocation_options_are_checked(artifact):
 
 
 def test_output_head_pool_ranks_by_expected_attentions_formula_over_p(artifact, llama):
-    """``head_pool="output"``: the heads of a layer compete on ``(p + ε) · ‖v‖`` (AdaKV's rule written out over that
-    quantity, p the calibrated distribution, v the layer's values); with ``pool_layers="1"`` layer 0 pools p as
-    before. Each layer still keeps Hkv·B entries."""
+    """``head_pool="output"``: the heads of a layer compete on ``(p + ε) · ‖v‖`` (AdaKV's rule written out over
+    that quantity, p the calibrated distribution, v the layer's values); with ``pool_layers="1"`` layer 0 pools p
+    as before. Each layer still keeps Hkv·B entries."""
     from core_kv.teacher.metrics import protected_mask
 
     _, path = artifact

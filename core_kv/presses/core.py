@@ -119,7 +119,7 @@ class CorePress(BasePress, name="core"):
             ``adakv_expected_attention`` is AdaKV over ExpectedAttention).
         allocation_layers: Layers (``"10-19"``) where ``allocation`` chooses the retained set; the indexer chooses
             it (and drives ε̂ and the writes) everywhere else. ``""`` = every layer (paper Table 13). A per-layer
-            split is a diagnostic [deviation; docs/method.md "Where the learned allocation loses essay needles"].
+            split is a diagnostic [deviation; docs/results.md "Where the learned allocation loses essay needles"].
         allocation_options: Options of the ``allocation`` press, e.g. ``{"epsilon": 0.01}`` for ExpectedAttention
             as kvpress's leaderboard entry runs it (``{}`` = that press's defaults).
         budget_matched: Reduce B by the memory state's token-equivalent (state bytes per KV head / bytes of one
@@ -149,8 +149,8 @@ class CorePress(BasePress, name="core"):
         head_pool: What the heads compete on with ``head_budgets="adaptive"``: ``mass`` = the calibrated p;
             ``output`` = ``(p_i + pool_epsilon) · ‖v_i‖``, ExpectedAttention's scoring formula
             (https://arxiv.org/abs/2510.00636, kvpress: ``(attention + ε) · ‖v‖``) with CORE's calibrated
-            distribution in place of the expected attention — an evicted entry's share of its head's output, so heads whose values are larger
-            keep more [deviation from the paper; docs/method.md "Value-aware head pooling"].
+            distribution in place of the expected attention: the output an entry carries, so heads whose values
+            are larger keep more [deviation from the paper; docs/method.md "Value-aware head pooling"].
         pool_epsilon: ε of ``head_pool="output"`` (kvpress's leaderboard AdaKV(ExpectedAttention) uses 1e-2).
         pool_layers: Layers (``"15-19"``) where ``head_pool`` applies; ``""`` = every layer; the others pool p.
 
