@@ -564,7 +564,7 @@ class CorePress(BasePress, name="core"):
             scores = self._inner.score(module, hidden_states, keys, values, None, kwargs)[0].float()  # (Hkv, N)
             std = scores.std(-1, keepdim=True).clamp_min(1e-6)
             p = ((scores - scores.mean(-1, keepdim=True)) / std).softmax(-1)
-        if self.head_budgets == "adaptive":  # p ranks each head's candidates as its scores do; heads compete on p
+        if self.head_budgets == "adaptive":  # heads compete on p (head_pool="mass"), (p + ε)·‖v‖ or raw scores
             pooled = scores if inner else p  # another press's raw scores: AdaKV over that press
             if self.head_pool == "output" and (not self._pool_layers or idx in self._pool_layers):
                 pooled = (p.float() + self.pool_epsilon) * v.float().norm(dim=-1)  # EA's formula over CORE's p
