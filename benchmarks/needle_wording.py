@@ -122,7 +122,8 @@ def build_labelled_presses(methods: list[str], options: dict[str, dict], ratio: 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model name or folder (core_kv.models.loading)")
-    ap.add_argument("--methods", nargs="+", default=["full"], help="press names; full = no compression")
+    ap.add_argument("--methods", nargs="+", default=["full"],
+                    help="press names or labels with a kind (--press-option label.kind=<press>); full = no press")  # fmt: skip
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.75], help="compression ratios for the presses")
     ap.add_argument("--press-option", action="append", default=[], help="method.option=value (JSON values)")
     ap.add_argument("--wordings", nargs="+", default=list(WORDINGS), choices=list(WORDINGS))
@@ -143,11 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
     import core_kv.presses  # noqa: F401
     from core_kv.models.loading import load_model
     from core_kv.pipeline import answer_questions
-    from core_kv.presses import build_press
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
-    options = parse_press_options(args.press_option)
+    presses = {r: build_labelled_presses(args.methods, parse_press_options(args.press_option), r) for r in args.ratios}
     cells = [("full", 0.0)] if "full" in args.methods else []
     cells += [(m, r) for m in args.methods if m != "full" for r in args.ratios]
     results, rows = [], []
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = {(w, h): build_prompts(tok, w, h, length, args.n, args.seed) for w in args.wordings
                    for h in args.haystacks}  # fmt: skip
         for method, ratio in cells:
-            press = None if method == "full" else build_press(method, compression_ratio=ratio, **options.get(method, {}))
+            press = None if method == "full" else presses[ratio][method]
             t0 = time.time()
             for (w, h), ps in prompts.items():
                 hits = 0

@@ -580,3 +580,28 @@ def test_output_head_pool_ranks_by_expected_attentions_formula_over_p(artifact, 
                           ({"head_budgets": "adaptive", "head_pool": "output", "allocation": "keydiff"}, "allocation")):  # fmt: skip
         with pytest.raises(ValueError, match=what):
             press_for(path, compression_ratio=0.5, **options)
+
+
+def test_split_head_pool_sizes_heads_by_output_and_fills_them_by_p(artifact, llama):
+    """``head_pool="split"``: each head's budget is its count in the ``head_pool="output"`` split, and the head
+    keeps its protected positions plus its top by p up to that count (written out naively)."""
+    from core_kv.teacher.metrics import protected_mask
+
+    _, path = artifact
+    b, eps = N // 4, 0.05
+    acts = capture(llama, ids())
+    prot = protected_mask(N, 4, 32)
+    press = press_for(path, compression_ratio=0.75, head_budgets="adaptive", head_pool="split", pool_epsilon=eps)
+    cache, kept, dists = run_recording(press, llama, ids())
+    assert [sum(h) for h in kv_bytes(cache)["tokens_per_head"]] == [2 * b, 2 * b]
+    moved = False
+    for layer in range(2):
+        p = dists[layer]
+        output_split = adaptive_reference((p + eps) * acts[layer].v.norm(dim=-1), prot, b, 0.2)
+        for h in range(2):
+            count = sum(1 for g, _ in output_split if g == h)
+            ranked = sorted(range(N), key=lambda j: (not bool(prot[j]), -float(p[h, j])))
+            assert {int(j) for j in kept[layer][h]} == set(ranked[:count])
+            moved |= {j for g, j in output_split if g == h} != set(ranked[:count])
+    assert moved  # filling by p changed some head's set relative to head_pool="output"
+

@@ -95,3 +95,10 @@ def adaptive_keep(scores: torch.Tensor, n_kept: int, alpha_safeguard: float) -> 
     if n_pruned:
         keep[torch.topk(-scores.reshape(-1), n_pruned).indices] = False
     return keep.view(hkv, s)
+
+
+def keep_top_per_head(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The kept mask ``(Hkv, S)`` that keeps each head's top ``counts[h]`` by ``scores`` (``+inf`` first): given
+    head budgets, the head's own ranking picks its set (CORE's ``head_pool="split"``)."""
+    rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    return rank < counts.to(rank.device)[:, None]

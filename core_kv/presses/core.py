@@ -52,13 +52,13 @@ from core_kv.features import FEATURE_NAMES, OBS_WINDOW, compute_features, observ
 from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
 from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer
-from core_kv.presses.adakv import adaptive_keep
+from core_kv.presses.adakv import adaptive_keep, keep_top_per_head
 from core_kv.presses.base import BasePress
 from core_kv.teacher.metrics import protected_mask, top_free
 
 ALLOCATIONS = ("indexer", "expected_attention", "keydiff")
 HEAD_BUDGETS = ("uniform", "adaptive")
-HEAD_POOLS = ("mass", "output")
+HEAD_POOLS = ("mass", "output", "split")
 NOVELTY = FEATURE_NAMES.index("novelty")  # ridge leverage under uniform p (core_kv.features)
 
 
@@ -150,8 +150,11 @@ class CorePress(BasePress, name="core"):
             ``output`` = ``(p_i + pool_epsilon) · ‖v_i‖``, ExpectedAttention's scoring formula
             (https://arxiv.org/abs/2510.00636, kvpress: ``(attention + ε) · ‖v‖``) with CORE's calibrated
             distribution in place of the expected attention: the output an entry carries, so heads whose values
-            are larger keep more [deviation from the paper; docs/method.md "Value-aware head pooling"].
-        pool_epsilon: ε of ``head_pool="output"`` (kvpress's leaderboard AdaKV(ExpectedAttention) uses 1e-2).
+            are larger keep more; ``split`` = the heads' budgets are their counts under ``output``, and each head
+            keeps its top by p up to its count (the value scale sizes the heads, the learned ranking fills them)
+            [deviation from the paper; docs/method.md "Value-aware head pooling"].
+        pool_epsilon: ε of ``head_pool="output"`` / ``"split"`` (kvpress's leaderboard AdaKV(ExpectedAttention)
+            uses 1e-2).
         pool_layers: Layers (``"15-19"``) where ``head_pool`` applies; ``""`` = every layer; the others pool p.
 
     Attributes:
@@ -229,7 +232,7 @@ class CorePress(BasePress, name="core"):
                 f"head_budgets='adaptive' and allocation='indexer'"
             )
         if self._pool_layers and self.head_pool == "mass":
-            raise ValueError("pool_layers needs head_pool='output' (the layers where it applies)")
+            raise ValueError("pool_layers needs head_pool='output' or 'split' (the layers where it applies)")
         if self.head_budgets not in HEAD_BUDGETS:
             raise ValueError(f"head_budgets must be one of {HEAD_BUDGETS}, got {self.head_budgets!r}")
         a = self.alpha_safeguard
@@ -566,9 +569,12 @@ class CorePress(BasePress, name="core"):
             p = ((scores - scores.mean(-1, keepdim=True)) / std).softmax(-1)
         if self.head_budgets == "adaptive":  # heads compete on p (head_pool="mass"), (p + ε)·‖v‖ or raw scores
             pooled = scores if inner else p  # another press's raw scores: AdaKV over that press
-            if self.head_pool == "output" and (not self._pool_layers or idx in self._pool_layers):
+            pool_here = self.head_pool != "mass" and (not self._pool_layers or idx in self._pool_layers)
+            if pool_here:
                 pooled = (p.float() + self.pool_epsilon) * v.float().norm(dim=-1)  # EA's formula over CORE's p
             kept = adaptive_keep(pooled.float().masked_fill(prot, float("inf")), b, self.alpha_safeguard)
+            if pool_here and self.head_pool == "split":  # (p + ε)·‖v‖ sized the heads; each keeps its top by p
+                kept = keep_top_per_head(p.float().masked_fill(prot, float("inf")), kept.sum(-1))
         else:
             kept = top_free(scores.float(), prot, b - int(prot.sum()))  # (Hkv, N)
         evicted = ~kept
