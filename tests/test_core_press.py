@@ -604,4 +604,3 @@ def test_split_head_pool_sizes_heads_by_output_and_fills_them_by_p(artifact, lla
             assert {int(j) for j in kept[layer][h]} == set(ranked[:count])
             moved |= {j for g, j in output_split if g == h} != set(ranked[:count])
     assert moved  # filling by p changed some head's set relative to head_pool="output"
-
