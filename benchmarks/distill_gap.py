@@ -46,6 +46,9 @@ def trainer(teacher_dir="runs/teacher/proxy", num_docs=32):
     cfg = TrainConfig(out_dir="runs/diag/distill_gap", threads=1, progress=False)
     cfg.teacher.out_dir = teacher_dir
     cfg.teacher.data.num_docs = num_docs
+    manifest = Path(teacher_dir) / "manifest.json"
+    if manifest.exists():  # the records' feature spec (a run with teacher.features=2 built v2 records)
+        cfg.teacher.features = int(json.loads(manifest.read_text())["feature_spec"]["version"])
     cfg.teacher.progress = False
     cfg.build_teacher = False
     tr = Trainer(cfg)

@@ -604,3 +604,56 @@ def test_split_head_pool_sizes_heads_by_output_and_fills_them_by_p(artifact, lla
             assert {int(j) for j in kept[layer][h]} == set(ranked[:count])
             moved |= {j for g, j in output_split if g == h} != set(ranked[:count])
     assert moved  # filling by p changed some head's set relative to head_pool="output"
+
+
+def repair_reference(keys: torch.Tensor, kept: set, prot: torch.Tensor, tau: float, w: int = 32, p=None) -> set:
+    """TwinKV's repair pass (paper 001 §3.4) written out over one head's kept positions: b_i = the best cosine to a
+    kept key more than w positions away (-1 if none); orphans = evicted with b < τ (ascending b), donors = kept,
+    unprotected, b ≥ τ (descending b; ascending ``p`` when given); the min(#orphans, #donors) first pairs swap."""
+    from core_kv.presses.twin_repair import naive_best_twin
+
+    b = naive_best_twin(keys, torch.tensor(sorted(kept)), w)
+    n = keys.shape[0]
+    orphans = sorted((j for j in range(n) if j not in kept and b[j] < tau), key=lambda j: (float(b[j]), j))
+    order = (lambda j: (-float(b[j]), j)) if p is None else (lambda j: (float(p[j]), j))
+    donors = sorted((j for j in kept if not prot[j] and b[j] >= tau), key=order)
+    m = min(len(orphans), len(donors))
+    return (kept - set(donors[:m])) | set(orphans[:m])
+
+
+@pytest.mark.parametrize("head_budgets,donors", [("uniform", "twin"), ("adaptive", "twin"), ("adaptive", "mass")])
+def test_repair_runs_twinkvs_pass_on_cores_sets(artifact, llama, head_budgets, donors):
+    """``repair=True``: every head's retained set is CORE's set after TwinKV's repair pass (post-RoPE keys, CORE's
+    protected positions never donate; donors most redundant first, or lowest p first with ``repair_donors="mass"``),
+    so each head keeps the same number of entries; the evicted mass ε̂ is that of the repaired set."""
+    from core_kv.teacher.metrics import protected_mask
+
+    _, path = artifact
+    tau, b = 0.3, N // 4
+    prot = protected_mask(N, 4, 32)
+    opts = dict(compression_ratio=0.75, head_budgets=head_budgets, memory=False)
+    _, before, _ = run_recording(press_for(path, **opts), llama, ids())
+    press = press_for(path, repair=True, repair_threshold=tau, repair_donors=donors, **opts)
+    cache, after, dists = run_recording(press, llama, ids())
+    full = prefill(llama, ids(), None)
+    swapped = 0
+    for layer in range(2):
+        keys = full.layers[layer].keys[0]  # (Hkv, N, D) post-RoPE
+        for h in range(2):
+            s0 = {int(j) for j in before[layer][h]}
+            s1 = {int(j) for j in after[layer][h]}
+            assert s1 == repair_reference(keys[h], s0, prot, tau, p=dists[layer][h] if donors == "mass" else None)
+            assert len(s1) == len(s0) and all(int(j) in s1 for j in prot.nonzero().flatten())
+            swapped += len(s1 - s0)
+        evicted = torch.ones(2, N, dtype=torch.bool)
+        for h in range(2):
+            evicted[h, after[layer][h]] = False
+        ev = press.events[layer]["eps_hat"]
+        torch.testing.assert_close(torch.tensor(ev), (dists[layer] * evicted).sum(-1).float(), rtol=1e-5, atol=1e-6)
+    assert swapped > 0  # the pass moved something (else the test checks nothing)
+    if head_budgets == "uniform":
+        assert all(len(x) == b for layer in after.values() for x in layer)
+    with pytest.raises(ValueError, match="repair_threshold"):
+        press_for(path, compression_ratio=0.5, repair=True, repair_threshold=1.5)
+    with pytest.raises(ValueError, match="repair_donors"):
+        press_for(path, compression_ratio=0.5, repair=True, repair_donors="value")

@@ -54,10 +54,12 @@ from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer
 from core_kv.presses.adakv import adaptive_keep, keep_top_per_head
 from core_kv.presses.base import BasePress
+from core_kv.presses.twin_repair import repair
 from core_kv.teacher.metrics import protected_mask, top_free
 
 ALLOCATIONS = ("indexer", "expected_attention", "keydiff")
 HEAD_BUDGETS = ("uniform", "adaptive")
+REPAIR_DONORS = ("twin", "mass")
 HEAD_POOLS = ("mass", "output", "split")
 NOVELTY = FEATURE_NAMES.index("novelty")  # ridge leverage under uniform p (core_kv.features)
 
@@ -156,6 +158,16 @@ class CorePress(BasePress, name="core"):
         pool_epsilon: ε of ``head_pool="output"`` / ``"split"`` (kvpress's leaderboard AdaKV(ExpectedAttention)
             uses 1e-2).
         pool_layers: Layers (``"15-19"``) where ``head_pool`` applies; ``""`` = every layer; the others pool p.
+        repair: Run the TwinKV repair pass (``../shared/papers/001_e5fc3a72c13765dd.txt`` §3.2-3.4;
+            :func:`~core_kv.presses.twin_repair.repair`) on every head's retained set before the writes: evicted
+            entries with no retained key twin (cosine < ``repair_threshold`` beyond 32 positions) replace retained
+            entries that have one, so each head's budget is unchanged; CORE's protected positions never donate; the
+            memory writes the repaired evicted set [a composition the repair paper proposes for any press; not in
+            the CORE paper; docs/method.md "CORE with the repair pass"].
+        repair_threshold: τ of the repair pass (the ``twin_repair`` press's default, the paper's Qwen3-4B 0.85).
+        repair_donors: Which retained entries with a twin give up their slots first: ``twin`` (the paper: the most
+            redundant, highest b) or ``mass`` (the lowest calibrated p: the learned ranking decides which twins go)
+            [a variant; docs/method.md "CORE with the repair pass"].
 
     Attributes:
         events: One dict per (layer, event) of the last context: ``t_e``, candidates, budget, evicted count, and per
@@ -184,6 +196,9 @@ class CorePress(BasePress, name="core"):
     head_pool: str = "mass"
     pool_epsilon: float = 0.01
     pool_layers: str = ""
+    repair: bool = False
+    repair_threshold: float = 0.85
+    repair_donors: str = "twin"
 
     _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -238,6 +253,11 @@ class CorePress(BasePress, name="core"):
         a = self.alpha_safeguard
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
             raise ValueError(f"alpha_safeguard must be in [0, 1], got {a!r}")
+        t = self.repair_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not -1.0 <= t <= 1.0:
+            raise ValueError(f"repair_threshold must be a cosine in [-1, 1], got {t!r}")
+        if self.repair_donors not in REPAIR_DONORS:
+            raise ValueError(f"repair_donors must be one of {REPAIR_DONORS}, got {self.repair_donors!r}")
         if self.head_budgets == "adaptive":
             for option, bad in (("decoding", self.decoding), ("log_certificate", self.log_certificate),
                                 ("coverage_layers", bool(self._coverage))):  # fmt: skip
@@ -577,6 +597,8 @@ class CorePress(BasePress, name="core"):
                 kept = keep_top_per_head(p.float().masked_fill(prot, float("inf")), kept.sum(-1))
         else:
             kept = top_free(scores.float(), prot, b - int(prot.sum()))  # (Hkv, N)
+        if self.repair:  # TwinKV's repair pass on each head's set; budgets and protected positions unchanged
+            kept = self._repaired(k, kept, s, w, p if self.repair_donors == "mass" else None)
         evicted = ~kept
         eps_hat = (p * evicted).sum(-1)  # (Hkv,)
         n_ev_head = evicted.sum(-1)  # (Hkv,): n - b for every head unless adaptive
@@ -616,6 +638,16 @@ class CorePress(BasePress, name="core"):
         st["pos"] = st["pos"].gather(1, kept_idx)
         st["persist"] = st["persist"].gather(1, kept_idx)
         return kept_idx
+
+    def _repaired(self, k, kept: torch.Tensor, sinks: int, recent: int, donor_scores=None) -> torch.Tensor:
+        """The kept mask (Hkv, N) after the TwinKV repair pass of each head's retained set (post-RoPE keys, as the
+        ``twin_repair`` press compares them); ``donor_scores`` (Hkv, N) orders the donors (``repair_donors``)."""
+        out = torch.zeros_like(kept)
+        for h in range(kept.shape[0]):
+            idx = repair(k[h], kept[h].nonzero().flatten(), self.repair_threshold, sinks=sinks, recent=recent,
+                         donor_scores=None if donor_scores is None else donor_scores[h])  # fmt: skip
+            out[h, idx] = True
+        return out
 
     # ------------------------------------------------------------------------------------------------------------
     # The readout

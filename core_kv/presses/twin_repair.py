@@ -65,9 +65,12 @@ def repair(
     sinks: int = 4,
     recent: int = 64,
     block_size: int = 512,
+    donor_scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Repair one head's retained set (paper §3.4). ``keys`` ``(n, D)``; ``retained`` indices; returns sorted
-    indices of the same size. Donors exclude the first ``sinks`` and last ``recent`` positions."""
+    indices of the same size. Donors exclude the first ``sinks`` and last ``recent`` positions. ``donor_scores``
+    ``(n,)``: donate the eligible donors of lowest score first instead of the most redundant first (the paper's
+    order; CORE's ``repair_donors="mass"`` passes its calibrated p)."""
     n = keys.shape[0]
     retained = retained.sort().values
     b = best_twin(keys, retained, local_window, block_size)  # (n,)
@@ -82,7 +85,10 @@ def repair(
         return retained
     # stable sorts over ascending positions: equal severities resolve to the earlier position
     orphans = orphans[b[orphans].sort(stable=True).indices[:m]]
-    donors = donors[b[donors].sort(descending=True, stable=True).indices[:m]]
+    if donor_scores is None:
+        donors = donors[b[donors].sort(descending=True, stable=True).indices[:m]]
+    else:
+        donors = donors[donor_scores[donors].sort(stable=True).indices[:m]]
     in_s0[donors] = False
     in_s0[orphans] = True
     return torch.nonzero(in_s0).flatten()
