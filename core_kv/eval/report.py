@@ -139,10 +139,11 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> 
     from core_kv.io import atomic_write
 
     ref = _lookup(cells, REFERENCE, 0.0)
-    fig = Figure(figsize=(7.5, 4.0))
+    methods = [m for m in _methods(cells) if m != REFERENCE]
+    ncol = 1 + len(methods) // 15  # a legend column per 15 methods, so a long grid's legend stays inside the figure
+    fig = Figure(figsize=(7.5 + 2.6 * (ncol - 1), 4.0))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    methods = [m for m in _methods(cells) if m != REFERENCE]
     colors = matplotlib.colormaps["tab20"].colors  # 10 default colours repeat for the 14-method grid
     for i, m in enumerate(methods):
         pts = sorted((c["ratio"], c["average"]) for c in cells if c["method"] == m)
@@ -160,7 +161,7 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> 
     if first.get("unit", "").startswith("score (0-100)"):
         ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: curves cross the whole plot
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=ncol)  # outside: curves fill the plot
     fig.tight_layout()
     path = Path(path)
     return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
