@@ -59,8 +59,8 @@ from core_kv.teacher.metrics import protected_mask, top_free
 
 ALLOCATIONS = ("indexer", "expected_attention", "keydiff")
 HEAD_BUDGETS = ("uniform", "adaptive")
-REPAIR_DONORS = ("twin", "mass")
 HEAD_POOLS = ("mass", "output", "split")
+REPAIR_DONORS = ("twin", "mass")
 NOVELTY = FEATURE_NAMES.index("novelty")  # ridge leverage under uniform p (core_kv.features)
 
 
