@@ -32,6 +32,7 @@ from core_kv.budget import budget_split
 from core_kv.distill.loop import lr_at
 from core_kv.distill.losses import kl_to_teacher, topb_boundary_bce, topb_overlap
 from core_kv.kernels import normalised_beta_b
+from core_kv.teacher.dataset import MANIFEST
 from core_kv.teacher.metrics import protected_mask, set_quality, top_free
 
 RATIOS = (0.75, 0.9)
@@ -46,7 +47,7 @@ def trainer(teacher_dir="runs/teacher/proxy", num_docs=32):
     cfg = TrainConfig(out_dir="runs/diag/distill_gap", threads=1, progress=False)
     cfg.teacher.out_dir = teacher_dir
     cfg.teacher.data.num_docs = num_docs
-    manifest = Path(teacher_dir) / "manifest.json"
+    manifest = Path(teacher_dir) / MANIFEST
     if manifest.exists():  # the records' feature spec (a run with teacher.features=2 built v2 records)
         cfg.teacher.features = int(json.loads(manifest.read_text())["feature_spec"]["version"])
     cfg.teacher.progress = False
