@@ -17,6 +17,8 @@ embedding and LM head are left out, which makes CORE's share pessimistic). Usage
 
     .venv/bin/python benchmarks/core_cost.py --lengths 1024 2048 4096 8192 --repeats 3
     .venv/bin/python benchmarks/core_cost.py --shape llama-3.1-8b --layers 2 --lengths 1024 2048 --modes one-shot
+    .venv/bin/python benchmarks/core_cost.py --model smollm2-135m --checkpoint checkpoints/core-smollm2-v2/final \
+        --modes one-shot --lengths 2048 --core-variant repair:head_budgets=adaptive,memory=false,repair=true
 """
 
 from __future__ import annotations
@@ -99,21 +101,44 @@ def build_artifact(model, folder: Path) -> Path:
     return folder
 
 
-def presses(checkpoint: Path, ratio: float, n: int, chunked: bool, memory_dtypes=()) -> dict:
-    """The three methods at context ``n``. Chunked SnapKV gets the absolute budget ``floor(n (1 − ratio))``: with a
-    ratio the framework re-applies it to the compressed cache at every chunk (170 tokens/head at 75% and chunk 512,
-    whatever n), which would compare different payloads; CORE's own event budget ends at the same count."""
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME:key=value,...`` (``--core-variant``) → ``("core_NAME", options)``; values true/false/int/float/str."""
+    name, _, body = text.partition(":")
+    if not name or not body:
+        raise ValueError(f"--core-variant {text!r}: expected NAME:key=value[,key=value...]")
+    opts = {}
+    for item in body.split(","):
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--core-variant {text!r}: {item!r} is not key=value")
+        value = {"true": True, "false": False}.get(raw.lower(), raw)
+        if isinstance(value, str):
+            for conv in (int, float):
+                try:
+                    value = conv(raw)
+                    break
+                except ValueError:
+                    pass
+        opts[key] = value
+    return f"core_{name}", opts
+
+
+def presses(checkpoint: Path, ratio: float, n: int, chunked: bool, memory_dtypes=(), variants=()) -> dict:
+    """The three methods at context ``n``, plus CORE with each of ``memory_dtypes`` and each ``--core-variant``.
+
+    Chunked SnapKV gets the absolute budget ``floor(n (1 − ratio))``: with a ratio the framework re-applies it to the
+    compressed cache at every chunk (170 tokens/head at 75% and chunk 512, whatever n), which would compare different
+    payloads; CORE's own event budget ends at the same count."""
     from core_kv.presses import build_press
 
     snap = {"budget": math.floor(n * (1 - ratio) + 1e-9)} if chunked else {"compression_ratio": ratio}
-    return {
-        "none": None,
-        "snapkv": build_press("snapkv", **snap),
-        "core": build_press("core", checkpoint=str(checkpoint), compression_ratio=ratio),
-    } | {
-        f"core_{dt}": build_press("core", checkpoint=str(checkpoint), compression_ratio=ratio, memory_dtype=dt)
-        for dt in memory_dtypes
-    }
+
+    def core(**options):
+        return build_press("core", checkpoint=str(checkpoint), compression_ratio=ratio, **options)
+
+    out = {"none": None, "snapkv": build_press("snapkv", **snap), "core": core()}
+    out |= {f"core_{dt}": core(memory_dtype=dt) for dt in memory_dtypes}
+    return out | {name: core(**opts) for name, opts in variants}
 
 
 def cpu_seconds(fn) -> float:
@@ -181,8 +206,19 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers of --shape (default: all of them)")
     ap.add_argument("--modes", nargs="+", choices=["one-shot", "chunked"], default=["one-shot", "chunked"])
     ap.add_argument("--memory-dtypes", nargs="*", default=[], help="also CORE with memory_dtype=<each> (float16, ...)")
+    ap.add_argument(
+        "--core-variant",
+        action="append",
+        default=[],
+        metavar="NAME:K=V,...",
+        help="also CORE with these press options, timed as core_NAME (e.g. repair:head_budgets=adaptive,repair=true)",
+    )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
+    try:
+        variants = [parse_variant(v) for v in args.core_variant]
+    except ValueError as e:
+        ap.error(str(e))
     torch.set_num_threads(args.threads)
 
     from core_kv.presses.core import core_parameter_counts
@@ -196,7 +232,7 @@ def main(argv=None) -> None:
         for mode, chunk in modes:
             results[mode] = {}
             for n in args.lengths:
-                methods = presses(ckpt, args.ratio, n, chunk is not None, args.memory_dtypes)
+                methods = presses(ckpt, args.ratio, n, chunk is not None, args.memory_dtypes, variants)
                 results[mode][str(n)] = measure(model, methods, n, chunk, args.repeats)
                 print(f"[core_cost] {mode} {n}: {json.dumps(results[mode][str(n)])}", flush=True)
         core = methods["core"].core

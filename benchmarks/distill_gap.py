@@ -9,11 +9,19 @@ reports train-set and held-out KL / Top-B overlap / Table 7 J_B (student / teach
 ``distill/evaluate.py``'s full-cache rows: the harness reproduces a run's held-out Table 7 exactly). ``--pool held``
 trains on the held-out events themselves: the ceiling of the indexer on these features.
 
+Two information tests (docs/results.md, "Proxy student gap"): ``--obs-window W`` builds (``teacher``) and caches
+(``cache``) records whose observation-window features use the last ``W`` queries instead of the spec's 32 (the
+window is a module constant of :mod:`core_kv.features`; this script overrides it in the modules that read it, for
+the experiment only: no artifact can be trained on such records), and ``train --opt content=1`` appends each
+candidate's key content, its Nyström coverage features Φ_i (M = 64, scaled to unit RMS), to the 14 standardised
+inputs of a wider first layer.
+
 Usage (one thread; needs the proxy teacher data, built by the first ``make train``)::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/distill_gap.py cache
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/distill_gap.py eval runs/core-proxy/stages/indexer.safetensors
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/distill_gap.py train --opt rank=0 --opt steps=300
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/distill_gap.py teacher --obs-window 128 --teacher-dir runs/teacher/w128
 """
 
 from __future__ import annotations
@@ -27,16 +35,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from torch import nn
 
 from core_kv.budget import budget_split
 from core_kv.distill.loop import lr_at
 from core_kv.distill.losses import kl_to_teacher, topb_boundary_bce, topb_overlap
+from core_kv.features import NUM_FEATURES
+from core_kv.indexer import HIDDEN, CoreIndexer
 from core_kv.kernels import normalised_beta_b
 from core_kv.teacher.dataset import MANIFEST
 from core_kv.teacher.metrics import protected_mask, set_quality, top_free
 
 RATIOS = (0.75, 0.9)
 CACHE = Path("runs/diag/distill_gap_cache.pt")
+DEFAULT_TEACHER = "runs/teacher/proxy"  # make train's proxy records
 EVAL_OFFSET = 2_100_000
 
 
@@ -180,13 +192,70 @@ def fmt(m):
     return s
 
 
-def new_indexer(cache, seed=0):
-    from core_kv.indexer import CoreIndexer
+def set_obs_window(w: int) -> None:
+    """Override the spec's observation window (32 queries) wherever it is read, for ``--obs-window``."""
+    import core_kv.distill.replay
+    import core_kv.features
+    import core_kv.teacher.config
+    import core_kv.teacher.docs
+    import core_kv.teacher.run
 
+    for m in (
+        core_kv.features,
+        core_kv.teacher.run,
+        core_kv.distill.replay,
+        core_kv.teacher.config,
+        core_kv.teacher.docs,
+    ):
+        m.OBS_WINDOW = w
+
+
+def build_teacher(teacher_dir: str, features: int = 2):
+    """The proxy teacher records (configs/teacher/default.yaml, spec ``features``) into ``teacher_dir``."""
+    from core_kv.config import load_config
+    from core_kv.teacher.config import TeacherConfig
+    from core_kv.teacher.run import run_teacher
+
+    argv = ["--config", "configs/teacher/default.yaml", f"features={features}", f"out_dir={teacher_dir}"]
+    run_teacher(load_config(TeacherConfig, argv + ["threads=1", "progress=false"]))
+
+
+def new_indexer(cache, seed=0, content=False):
+    """The paper-size indexer; ``content`` widens each layer's input by the M coverage features (``--opt content=1``)."""
     torch.manual_seed(seed)
-    idx = CoreIndexer(cache["num_layers"], cache["num_kv_heads"])
+    if content:
+        m = cache["train"][0]["phi"].shape[-1]
+        idx = ContentIndexer(cache["num_layers"], cache["num_kv_heads"], m)
+    else:
+        idx = CoreIndexer(cache["num_layers"], cache["num_kv_heads"])
     idx.set_feature_stats(cache["stats"])
     return idx
+
+
+def with_content(items):
+    """Items whose features carry Φ_i after the 14 columns (for :class:`ContentIndexer`)."""
+    return [{**it, "features": torch.cat([it["features"].float(), it["phi"].float()], -1)} for it in items]
+
+
+def mlp(n_in: int, width: int, hidden_layers: int) -> nn.Sequential:
+    """``n_in → width (→ width)* → 1`` with GELU, ``hidden_layers`` hidden layers."""
+    dims = [n_in] + [width] * hidden_layers
+    mods = [m for a, b in zip(dims[:-1], dims[1:], strict=True) for m in (nn.Linear(a, b), nn.GELU())]
+    return nn.Sequential(*mods, nn.Linear(width, 1))
+
+
+class ContentIndexer(CoreIndexer):
+    """14 standardised features + Φ_i at unit RMS → 128 → 128 → 1 (an information test, not the paper's shape)."""
+
+    def __init__(self, num_layers, num_kv_heads, m):
+        super().__init__(num_layers, num_kv_heads)
+        self.layers = nn.ModuleList(mlp(NUM_FEATURES + m, HIDDEN, 2) for _ in range(num_layers))
+
+    def standardize(self, layer, features, heads=None):
+        base = super().standardize(layer, features[..., :NUM_FEATURES], heads)
+        phi = features[..., NUM_FEATURES:].float()
+        phi = phi / (phi.norm(dim=-1, keepdim=True) + 1e-6) * phi.shape[-1] ** 0.5
+        return torch.cat([base, phi], -1)
 
 
 def load_weights(idx, path):
@@ -216,26 +285,16 @@ def train(
     j_train=120,
     log=None,
     pool_name="train",
+    content=0,
 ):
     """Warm-up stage as stages.train_indexer (records cycled in (doc, event, layer) order unless shuffle)."""
-    idx = new_indexer(cache, seed)
+    if content and hidden:
+        raise ValueError("--opt content=1 and --opt hidden=... are separate tests; give one")
+    idx = new_indexer(cache, seed, content=bool(content))
+    if content:
+        cache = {**cache, "train": with_content(cache["train"]), "held": with_content(cache["held"])}
     if hidden:
-        from torch import nn
-
-        from core_kv.features import NUM_FEATURES
-
-        idx.layers = nn.ModuleList(
-            nn.Sequential(
-                nn.Linear(NUM_FEATURES, hidden),
-                nn.GELU(),
-                nn.Linear(hidden, hidden),
-                nn.GELU(),
-                nn.Linear(hidden, hidden),
-                nn.GELU(),
-                nn.Linear(hidden, 1),
-            )
-            for _ in range(cache["num_layers"])
-        )
+        idx.layers = nn.ModuleList(mlp(NUM_FEATURES, hidden, 3) for _ in range(cache["num_layers"]))
     pool = cache[pool_name]
     if val_docs:
         docs = sorted({it["doc"] for it in pool})
@@ -318,20 +377,34 @@ def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("command", choices=("cache", "eval", "train"))
+    ap.add_argument("command", choices=("teacher", "cache", "eval", "train"))
     ap.add_argument("weights", nargs="?", help="eval: an indexer's safetensors (a run's stages/indexer.safetensors)")
     ap.add_argument("--cache", default=str(CACHE), help="the cached records (default %(default)s)")
-    ap.add_argument("--teacher-dir", default="runs/teacher/proxy")
+    ap.add_argument("--teacher-dir", default=DEFAULT_TEACHER)
     ap.add_argument("--pool", default="train", choices=("train", "held"), help="train: the records to fit")
     ap.add_argument(
         "--opt",
         action="append",
         default=[],
         help="train option k=v: steps, per_micro, lr, wd, warm, clip, rank, seed, every, shuffle, "
-        "val_docs, ratios ('0.75,0.9'), hidden, log",
+        "val_docs, ratios ('0.75,0.9'), hidden, content (1: append the key content Φ), log",
+    )
+    ap.add_argument(
+        "--obs-window", type=int, default=None, help="teacher / cache: window queries of the features (spec: 32)"
     )
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.obs_window is not None and (a.command not in ("teacher", "cache") or a.obs_window < 1):
+        ap.error("--obs-window takes a positive count and goes with `teacher` or `cache`")
+    if a.command == "teacher" and (
+        a.obs_window is None or Path(a.teacher_dir).resolve() == Path(DEFAULT_TEACHER).resolve()
+    ):
+        ap.error(f"`teacher` is for --obs-window tests: give one and a --teacher-dir other than {DEFAULT_TEACHER}")
+    if a.obs_window is not None:  # checked before anything is overridden: a refused call changes nothing
+        set_obs_window(a.obs_window)
+    if a.command == "teacher":
+        build_teacher(a.teacher_dir)
+        return
     if a.command == "cache":
         Path(a.cache).parent.mkdir(parents=True, exist_ok=True)
         build_cache(a.teacher_dir, out=Path(a.cache))
