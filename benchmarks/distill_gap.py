@@ -12,7 +12,8 @@ trains on the held-out events themselves: the ceiling of the indexer on these fe
 Two information tests (docs/results.md, "Proxy student gap"): ``--obs-window W`` builds (``teacher``) and caches
 (``cache``) records whose observation-window features use the last ``W`` queries instead of the spec's 32 (the
 window is a module constant of :mod:`core_kv.features`; this script overrides it in the modules that read it, for
-the experiment only: no artifact can be trained on such records), and ``train --opt content=1`` appends each
+the experiment only: the records' manifest carries the window, and the teacher-dataset reader refuses them wherever
+the spec's 32 is computed, so no artifact can be trained on them), and ``train --opt content=1`` appends each
 candidate's key content, its Nyström coverage features Φ_i (M = 64, scaled to unit RMS), to the 14 standardised
 inputs of a wider first layer.
 

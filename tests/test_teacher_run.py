@@ -126,6 +126,11 @@ def test_reader_refuses_mismatches(one_proc, tmp_path):
     (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(TeacherDatasetMismatch, match="format"):
         TeacherDataset(bad)
+    m["format"] = json.loads((out / "manifest.json").read_text())["format"]
+    m["feature_spec"]["obs_window"] = 128  # same version and names, another window (distill_gap.py --obs-window)
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(TeacherDatasetMismatch, match=r"obs_window=128 \(code: 32\)"):
+        TeacherDataset(bad)
     (bad / "manifest.json").unlink()
     with pytest.raises(FileNotFoundError, match="did not finish"):
         TeacherDataset(bad)
