@@ -219,6 +219,9 @@ def main(argv=None) -> None:
         variants = [parse_variant(v) for v in args.core_variant]
     except ValueError as e:
         ap.error(str(e))
+    names = ["core"] + [f"core_{dt}" for dt in args.memory_dtypes] + [name for name, _ in variants]
+    if len(set(names)) != len(names):
+        ap.error(f"--core-variant / --memory-dtypes: column names repeat ({names}); give each variant its own NAME")
     torch.set_num_threads(args.threads)
 
     from core_kv.presses.core import core_parameter_counts

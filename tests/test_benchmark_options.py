@@ -61,3 +61,9 @@ def test_obs_window_teacher_refuses_the_default_records_folder(capsys):
     import core_kv.teacher.run
 
     assert core_kv.features.OBS_WINDOW == core_kv.teacher.run.OBS_WINDOW == 32  # a refused call overrides nothing
+
+
+def test_core_variant_names_must_not_repeat(capsys):
+    with pytest.raises(SystemExit) as e:
+        COST["main"](["--core-variant", "float16:repair=true", "--memory-dtypes", "float16"])
+    assert e.value.code == 2 and "column names repeat" in capsys.readouterr().err
