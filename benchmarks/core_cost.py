@@ -18,7 +18,7 @@ embedding and LM head are left out, which makes CORE's share pessimistic). Usage
     .venv/bin/python benchmarks/core_cost.py --lengths 1024 2048 4096 8192 --repeats 3
     .venv/bin/python benchmarks/core_cost.py --shape llama-3.1-8b --layers 2 --lengths 1024 2048 --modes one-shot
     .venv/bin/python benchmarks/core_cost.py --model smollm2-135m --checkpoint checkpoints/core-smollm2-v2/final \
-        --modes one-shot --lengths 2048 --core-variant repair:head_budgets=adaptive,memory=false,repair=true
+        --modes one-shot --lengths 2048 --press-option repair.head_budgets=adaptive --press-option repair.repair=true
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from needle_wording import parse_press_options  # noqa: E402
 from twinkv_cost import MODEL  # noqa: E402
 
 SHAPES = {
@@ -101,30 +102,9 @@ def build_artifact(model, folder: Path) -> Path:
     return folder
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
-    """``NAME:key=value,...`` (``--core-variant``) → ``("core_NAME", options)``; values true/false/int/float/str."""
-    name, _, body = text.partition(":")
-    if not name or not body:
-        raise ValueError(f"--core-variant {text!r}: expected NAME:key=value[,key=value...]")
-    opts = {}
-    for item in body.split(","):
-        key, eq, raw = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--core-variant {text!r}: {item!r} is not key=value")
-        value = {"true": True, "false": False}.get(raw.lower(), raw)
-        if isinstance(value, str):
-            for conv in (int, float):
-                try:
-                    value = conv(raw)
-                    break
-                except ValueError:
-                    pass
-        opts[key] = value
-    return f"core_{name}", opts
-
-
-def presses(checkpoint: Path, ratio: float, n: int, chunked: bool, memory_dtypes=(), variants=()) -> dict:
-    """The three methods at context ``n``, plus CORE with each of ``memory_dtypes`` and each ``--core-variant``.
+def presses(checkpoint: Path, ratio: float, n: int, chunked: bool, memory_dtypes=(), variants=None) -> dict:
+    """The three methods at context ``n``, plus CORE with each of ``memory_dtypes`` and each ``--press-option`` NAME
+    (``variants``: NAME → press options, timed as ``core_NAME``).
 
     Chunked SnapKV gets the absolute budget ``floor(n (1 − ratio))``: with a ratio the framework re-applies it to the
     compressed cache at every chunk (170 tokens/head at 75% and chunk 512, whatever n), which would compare different
@@ -138,7 +118,7 @@ def presses(checkpoint: Path, ratio: float, n: int, chunked: bool, memory_dtypes
 
     out = {"none": None, "snapkv": build_press("snapkv", **snap), "core": core()}
     out |= {f"core_{dt}": core(memory_dtype=dt) for dt in memory_dtypes}
-    return out | {name: core(**opts) for name, opts in variants}
+    return out | {f"core_{name}": core(**opts) for name, opts in (variants or {}).items()}
 
 
 def cpu_seconds(fn) -> float:
@@ -207,21 +187,18 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", choices=["one-shot", "chunked"], default=["one-shot", "chunked"])
     ap.add_argument("--memory-dtypes", nargs="*", default=[], help="also CORE with memory_dtype=<each> (float16, ...)")
     ap.add_argument(
-        "--core-variant",
+        "--press-option",
         action="append",
         default=[],
-        metavar="NAME:K=V,...",
-        help="also CORE with these press options, timed as core_NAME (e.g. repair:head_budgets=adaptive,repair=true)",
+        metavar="NAME.OPTION=VALUE",
+        help="also CORE with these press options (JSON values), timed as core_NAME (e.g. repair.repair=true)",
     )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
-    try:
-        variants = [parse_variant(v) for v in args.core_variant]
-    except ValueError as e:
-        ap.error(str(e))
-    names = ["core"] + [f"core_{dt}" for dt in args.memory_dtypes] + [name for name, _ in variants]
+    variants = parse_press_options(args.press_option)  # the syntax of needle_wording.py / answer_likelihood.py
+    names = ["core"] + [f"core_{dt}" for dt in args.memory_dtypes] + [f"core_{name}" for name in variants]
     if len(set(names)) != len(names):
-        ap.error(f"--core-variant / --memory-dtypes: column names repeat ({names}); give each variant its own NAME")
+        ap.error(f"--press-option / --memory-dtypes: column names repeat ({names}); give each variant its own NAME")
     torch.set_num_threads(args.threads)
 
     from core_kv.presses.core import core_parameter_counts

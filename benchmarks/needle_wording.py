@@ -96,6 +96,8 @@ def parse_press_options(items: list[str]) -> dict[str, dict]:
             raise SystemExit(f"--press-option expects method.option=value, got {item!r}")
         lhs, value = item.split("=", 1)
         method, key = lhs.split(".", 1)
+        if not method or not key:
+            raise SystemExit(f"--press-option expects method.option=value, got {item!r}")
         try:
             value = json.loads(value)
         except ValueError:

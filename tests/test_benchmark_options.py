@@ -1,4 +1,4 @@
-"""Options of the diagnostic scripts: ``core_cost.py --core-variant`` and ``distill_gap.py``'s information tests
+"""Options of the diagnostic scripts: ``core_cost.py --press-option`` and ``distill_gap.py``'s information tests
 (the key-content indexer and the ``--obs-window`` guard)."""
 
 from __future__ import annotations
@@ -16,17 +16,22 @@ COST = runpy.run_path(str(ROOT / "benchmarks" / "core_cost.py"))
 GAP = runpy.run_path(str(ROOT / "benchmarks" / "distill_gap.py"))
 
 
-def test_core_variant_parses_typed_options_and_names_the_column():
-    name, opts = COST["parse_variant"]("repair:head_budgets=adaptive,memory=false,repair=True,repair_threshold=0.9,k=3")
-    assert name == "core_repair"
-    assert opts == {"head_budgets": "adaptive", "memory": False, "repair": True, "repair_threshold": 0.9, "k": 3}
-    assert type(opts["k"]) is int and type(opts["repair_threshold"]) is float
+def test_core_cost_press_options_are_typed_per_variant_name():
+    variants = COST["parse_press_options"]([
+        "repair.head_budgets=adaptive", "repair.memory=false", "repair.repair=true", "repair.repair_threshold=0.9",
+        "other.k=3",
+    ])  # fmt: skip
+    assert variants == {
+        "repair": {"head_budgets": "adaptive", "memory": False, "repair": True, "repair_threshold": 0.9},
+        "other": {"k": 3},
+    }
+    assert type(variants["other"]["k"]) is int and type(variants["repair"]["repair_threshold"]) is float
 
 
-@pytest.mark.parametrize("bad", ["repair", "repair:", ":repair=true", "repair:memory", "repair:=1"])
-def test_core_variant_refuses_malformed_text_naming_the_option(bad):
-    with pytest.raises(ValueError, match="--core-variant"):
-        COST["parse_variant"](bad)
+@pytest.mark.parametrize("bad", ["repair", "repair=true", "repair:memory=false", ".memory=false", "repair.=1"])
+def test_core_cost_refuses_malformed_press_options_naming_the_option(bad):
+    with pytest.raises(SystemExit, match="--press-option"):
+        COST["main"](["--press-option", bad])
 
 
 def test_content_indexer_standardises_the_14_features_and_scales_phi_to_unit_rms():
@@ -63,7 +68,7 @@ def test_obs_window_teacher_refuses_the_default_records_folder(capsys):
     assert core_kv.features.OBS_WINDOW == core_kv.teacher.run.OBS_WINDOW == 32  # a refused call overrides nothing
 
 
-def test_core_variant_names_must_not_repeat(capsys):
+def test_core_cost_column_names_must_not_repeat(capsys):
     with pytest.raises(SystemExit) as e:
-        COST["main"](["--core-variant", "float16:repair=true", "--memory-dtypes", "float16"])
+        COST["main"](["--press-option", "float16.repair=true", "--memory-dtypes", "float16"])
     assert e.value.code == 2 and "column names repeat" in capsys.readouterr().err
