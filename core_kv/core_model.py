@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from core_kv.features import FEATURE_SPECS, spec
+from core_kv.features import FEATURE_SPECS, spec, spec_differences
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
 from core_kv.teacher.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
@@ -163,11 +163,11 @@ class CoreModel(CorePreTrainedModel):
         core = super().from_pretrained(path, *args, **kwargs)
         if core.config.artifact_version != ARTIFACT_VERSION:
             raise ValueError(f"{path}: artifact v{core.config.artifact_version}, this code reads v{ARTIFACT_VERSION}")
-        version = core.config.feature_spec.get("version")
-        if version not in FEATURE_SPECS or core.config.feature_spec.get("names") != list(FEATURE_SPECS[version]):
+        differ = spec_differences(core.config.feature_spec)
+        if differ:  # other version, names or constants: the press would compute other features than it learned on
             raise ValueError(
-                f"{path}: trained on feature spec v{version} {core.config.feature_spec.get('names', [])[:3]}..., this "
-                f"code computes {sorted(FEATURE_SPECS)}; retrain with `accelerate launch train.py`"
+                f"{path}: trained with {differ}; this code computes feature specs {sorted(FEATURE_SPECS)} with "
+                "their recorded constants; retrain with `accelerate launch train.py`"
             )
         if base_model is not None:
             core.check_base_model(base_model)

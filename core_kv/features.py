@@ -111,6 +111,23 @@ def spec(version: int = FEATURE_SPEC_VERSION) -> dict:
     return out
 
 
+def spec_differences(recorded: dict) -> str:
+    """How a recorded feature spec differs from what this code computes for its version; ``""`` when it does not.
+
+    Compares every recorded constant (window lengths, decays, thresholds) as well as the version and names, so a
+    dataset or artifact built with other constants (e.g. a diagnostic's observation window) is refused by name."""
+    version = recorded.get("version") if isinstance(recorded, dict) else None
+    if isinstance(version, bool) or version not in FEATURE_SPECS:
+        return f"feature spec v{version} is not one this code computes ({sorted(FEATURE_SPECS)})"
+    expected = spec(version)
+    differ = sorted(k for k in set(recorded) | set(expected) if recorded.get(k) != expected.get(k))
+    if "names" in differ:
+        return (
+            f"feature spec v{version} names {list(recorded.get('names') or [])[:3]}..., this code's v{version} differs"
+        )
+    return ", ".join(f"{k}={recorded.get(k)!r} (code: {expected.get(k)!r})" for k in differ)
+
+
 def key_distinctiveness(keys: torch.Tensor) -> torch.Tensor:
     """KeyDiff's score ``−cos(k_i, mean_j k̂_j)`` over the candidates, (Hkv, N) from keys (Hkv, N, D)."""
     k = keys.float()

@@ -340,6 +340,30 @@ def test_corrupt_artifact_tensors_are_refused_at_load(artifact, tmp_path):
         CoreModel.from_pretrained(path)
 
 
+def test_artifacts_with_other_feature_constants_are_refused_at_load(artifact, tmp_path):
+    """An artifact whose recorded feature spec differs from the code's in any constant (not only the version or the
+    names) is refused at load, naming the constant: the press would otherwise feed it features computed another way.
+    The unedited artifact loads."""
+    core, src = artifact
+    assert CoreModel.from_pretrained(src).config.feature_spec == core.config.feature_spec
+    edits = [
+        ("obs_window", 128, r"obs_window=128 \(code: 32\)"),
+        ("psi_temperature", 0.2, r"psi_temperature=0\.2 \(code: 0\.1\)"),
+        ("version", 7, r"feature spec v7 is not one"),
+        ("names", ["x"] * 14, r"names \['x', 'x', 'x'\]"),
+    ]
+    for key, value, message in edits:
+        path = tmp_path / key
+        core.save_pretrained(path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["feature_spec"][key] = value
+        (path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=message):
+            CoreModel.from_pretrained(path)
+        with pytest.raises(ValueError, match=message):
+            build_press("core", checkpoint=str(path), compression_ratio=0.5)
+
+
 def test_nan_inputs_are_named_at_the_press_boundary(artifact, llama):
     """NaN hidden states reach the core press as a clear error naming the layer, not a Cholesky failure."""
     _, path = artifact

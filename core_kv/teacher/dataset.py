@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from core_kv.features import FEATURE_SPEC_VERSION, FEATURE_SPECS
-from core_kv.features import spec as feature_spec
+from core_kv.features import FEATURE_SPEC_VERSION, FEATURE_SPECS, spec_differences
 from core_kv.io import atomic_write
 from core_kv.teacher.geometry import FingerprintMismatch, check_fingerprint
 
@@ -154,11 +153,9 @@ class TeacherDataset:
                 f"{self.path}: features are spec v{fs['version']} {fs['names'][:3]}..., this code computes "
                 f"v{feature_version}; {hint}"
             )
-        expected = feature_spec(feature_version)
-        differ = sorted(k for k in set(fs) | set(expected) if fs.get(k) != expected.get(k))
+        differ = spec_differences(fs)
         if differ:  # same version, other constants (e.g. a diagnostic's observation window)
-            got = ", ".join(f"{k}={fs.get(k)!r} (code: {expected.get(k)!r})" for k in differ)
-            raise TeacherDatasetMismatch(f"{self.path}: feature spec v{feature_version} recorded with {got}; {hint}")
+            raise TeacherDatasetMismatch(f"{self.path}: feature spec v{feature_version} recorded with {differ}; {hint}")
         if fingerprint is not None:
             try:
                 check_fingerprint(m["fingerprint"], fingerprint, f"teacher dataset {self.path}")
