@@ -26,6 +26,17 @@ press compare side by side::
 
 ``core_mix`` (``benchmarks/allocation_mix.py``: another press's scores in some layers of the ``core`` press) is
 registered too.
+
+**Memory audit.** A CORE label with ``--press-option <label>.log_certificate=true`` (and its memory on) is fed in two
+forwards — the question, then the queries that predict the answer's tokens (the question's last token and the
+answer's) — and CorePress's certificate rows of each are summarised per prompt (issue 18's memory target: where the
+memory helps and where it costs retrieval). For queries ``q`` and query heads, with ``o*`` the attention output over
+retained + evicted entries, ``o_R`` over retained ones and ``ô`` the memory-compensated one:
+
+- ``gain_answer`` / ``gain_question``: ``G = 1 − Σ‖o* − ô‖ / Σ‖o* − o_R‖`` (paper Table 8's compensation gain; < 0:
+  the memory moves the output away from the full attention output) on the answer-predicting / question queries;
+- ``gate_answer`` / ``alpha_answer``: the mean gate ``g(q)`` and the mean true evicted mass ``α_E(q)`` on them;
+- ``gain_answer_layers``: ``G`` per layer on the answer-predicting queries.
 """
 
 from __future__ import annotations
@@ -54,6 +65,30 @@ def answer_scores(logprobs: torch.Tensor, answer: list[int]) -> dict:
         "nll": float(nll.mean()),
         "top1": bool(hit.all()),
         "first_miss": int(misses[0]) if len(misses) else len(answer),
+    }
+
+
+def _gain(rows: list[dict]) -> float:
+    """``1 − Σ comp_err / Σ ret_err`` over certificate rows (query-weighted, every head)."""
+    comp = sum(r["queries"] * sum(r["comp_err"]) for r in rows)
+    ret = sum(r["queries"] * sum(r["ret_err"]) for r in rows)
+    return 1 - comp / ret if ret > 0 else float("nan")
+
+
+def _mean_of(rows: list[dict], key: str) -> float:
+    n = sum(r["queries"] * len(r[key]) for r in rows)
+    return sum(r["queries"] * sum(r[key]) for r in rows) / n if n else float("nan")
+
+
+def memory_audit(question_rows: list[dict], answer_rows: list[dict]) -> dict:
+    """Compensation gain, gate and true evicted mass of CorePress certificate rows, split by forward (module doc)."""
+    layers = sorted({r["layer"] for r in answer_rows})
+    return {
+        "gain_answer": _gain(answer_rows),
+        "gain_question": _gain(question_rows),
+        "gate_answer": _mean_of(answer_rows, "gate"),
+        "alpha_answer": _mean_of(answer_rows, "alpha"),
+        "gain_answer_layers": {str(ly): _gain([r for r in answer_rows if r["layer"] == ly]) for ly in layers},
     }
 
 
@@ -98,11 +133,20 @@ def main(argv: list[str] | None = None) -> dict:
             for m, press in presses.items():
                 t0 = time.time()
                 cache = prefill(model, ctx, press)
+                audit = {}
                 with torch.inference_mode():
-                    lp = continuation_logprobs(model, cache, ctx.shape[1], fed[:, :-1], press)
+                    if getattr(press, "log_certificate", False):  # two forwards: question, answer-predicting queries
+                        cut = fed.shape[1] - len(answer) - 1
+                        lp_q = continuation_logprobs(model, cache, ctx.shape[1], fed[:, :cut], press)
+                        q_rows = list(press.certificates)
+                        lp_a = continuation_logprobs(model, cache, ctx.shape[1] + cut, fed[:, cut:-1], press)
+                        lp = torch.cat([lp_q, lp_a])
+                        audit = memory_audit(q_rows, press.certificates[len(q_rows) :])
+                    else:
+                        lp = continuation_logprobs(model, cache, ctx.shape[1], fed[:, :-1], press)
                 rows.append({"haystack": hay, "prompt": i, "method": m, "value": p["value"],
                              "depth": round(p["depth"], 3), "seconds": round(time.time() - t0, 2),
-                             **answer_scores(lp, answer)})  # fmt: skip
+                             **answer_scores(lp, answer), **audit})  # fmt: skip
             print(f"[answer_likelihood] {hay} prompt {i + 1}/{args.n}", file=sys.stderr, flush=True)
     full_nll = {(r["haystack"], r["prompt"]): r["nll"] for r in rows if r["method"] == "full"}
     summary = []
@@ -121,6 +165,22 @@ def main(argv: list[str] | None = None) -> dict:
             summary.append(s)
             dn = f"{s['dnll']:+.3f}" if "dnll" in s else "–"
             print(f"| {m} | {hay} | {s['nll']:.3f} | {dn} | {s['top1']:.2f} | {s['first_miss']:.2f} |")
+    audited = [m for m in args.methods if any("gain_answer" in r for r in rows if r["method"] == m)]
+    if audited:
+        print(
+            "\n| method | haystack | G answer-predicting queries | G question queries | gate g (answer) | α_E (answer) |"
+        )
+        print("|---|---|---|---|---|---|")
+    for m in audited:
+        for hay in args.haystacks:
+            sel = [r for r in rows if r["method"] == m and r["haystack"] == hay]
+            s = next(x for x in summary if x["method"] == m and x["haystack"] == hay)
+            for key in ("gain_answer", "gain_question", "gate_answer", "alpha_answer"):
+                s[key] = statistics.mean(r[key] for r in sel)
+            print(
+                f"| {m} | {hay} | {s['gain_answer']:+.3f} | {s['gain_question']:+.3f} | {s['gate_answer']:.3f} | "
+                f"{s['alpha_answer']:.3f} |"
+            )
     payload = {"args": vars(args), "summary": summary, "rows": rows}
     if args.json:
         from core_kv.io import atomic_write_json
