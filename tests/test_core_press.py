@@ -528,8 +528,7 @@ def test_ragged_readout_log_partition_matches_each_head(artifact, llama):
 
 def test_adaptive_refuses_what_a_ragged_cache_cannot_do(artifact, llama):
     _, path = artifact
-    for options, what in (({"decoding": True}, "decoding"), ({"log_certificate": True}, "log_certificate"),
-                          ({"coverage_layers": "1"}, "coverage_layers")):  # fmt: skip
+    for options, what in (({"decoding": True}, "decoding"), ({"coverage_layers": "1"}, "coverage_layers")):
         with pytest.raises(ValueError, match=what):
             press_for(path, compression_ratio=0.5, head_budgets="adaptive", **options)
     with pytest.raises(ValueError, match="chunk_size"):
@@ -538,6 +537,37 @@ def test_adaptive_refuses_what_a_ragged_cache_cannot_do(artifact, llama):
         press_for(path, compression_ratio=0.5, head_budgets="per_layer")
     with pytest.raises(ValueError, match="alpha_safeguard"):
         press_for(path, compression_ratio=0.5, head_budgets="adaptive", alpha_safeguard=1.5)
+
+
+def test_adaptive_certificate_matches_the_uniform_one_and_masks_each_heads_padding(artifact, llama):
+    """The certificate under head-wise budgets (a ragged cache; each head's evicted entries right-padded to the
+    longest head's): with ``alpha_safeguard=1`` (the uniform press exactly) its rows equal the uniform press's; with
+    AdaKV's floor the heads evict different counts, the shadow's valid mask counts each head's evictions, and every
+    row is finite with the exact bound holding."""
+    _, path = artifact
+    question = ids(6, seed=2)
+    rows = {}
+    for name, options in (("uniform", {}), ("adaptive1", {"head_budgets": "adaptive", "alpha_safeguard": 1.0})):
+        press = press_for(path, compression_ratio=0.75, log_certificate=True, **options)
+        cache = prefill(llama, ids(), press)
+        greedy_answer(llama, cache, N, question, 3, press, eos_token_ids=[])
+        rows[name] = press.certificates
+    assert len(rows["uniform"]) == len(rows["adaptive1"]) > 0
+    for a, b in zip(rows["uniform"], rows["adaptive1"], strict=True):
+        for key in ("alpha", "gate", "ret_err", "comp_err", "bound_exact"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    press = press_for(path, compression_ratio=0.75, log_certificate=True, head_budgets="adaptive")
+    cache = prefill(llama, ids(), press)
+    kept = {e["layer"]: e["kept_per_head"] for e in press.events}
+    assert any(len(set(k)) > 1 for k in kept.values())  # heads evict different counts: padding is exercised
+    for idx, st in press._layers.items():
+        valid = st["shadow"][2]
+        assert valid.sum(-1).tolist() == [N - k for k in kept[idx]]
+    greedy_answer(llama, cache, N, question, 3, press, eos_token_ids=[])
+    for r in press.certificates:
+        for key in ("alpha", "gate", "ret_err", "comp_err"):
+            assert all(x == x and abs(x) < float("inf") for x in r[key]), key
+        assert all(0 <= a <= 1 for a in r["alpha"]) and min(r["holds_exact"]) == 1.0
 
 
 def test_allocation_layers_swap_the_retained_set_only_there(artifact, llama):

@@ -146,7 +146,8 @@ class CorePress(BasePress, name="core"):
             the globally largest p; every head's evicted entries are written with the same rule [deviation from
             the paper; docs/method.md "Head-wise budgets"]. p ranks a head's candidates as its scores do, so with
             ``alpha_safeguard=1`` it is the uniform press exactly. One event per context (one-shot prefill): the
-            cache becomes ragged, so chunked prefill, ``decoding`` and ``log_certificate`` are refused.
+            cache becomes ragged, so chunked prefill and ``decoding`` are refused (``log_certificate`` pads each
+            head's evicted entries to the longest head's and masks the padding).
         alpha_safeguard: AdaKV's per-head floor (kvpress 0.5.5 default 0.2), with ``head_budgets="adaptive"``.
         head_pool: What the heads compete on with ``head_budgets="adaptive"``: ``mass`` = the calibrated p;
             ``output`` = ``(p_i + pool_epsilon) · ‖v_i‖``, ExpectedAttention's scoring formula
@@ -259,8 +260,7 @@ class CorePress(BasePress, name="core"):
         if self.repair_donors not in REPAIR_DONORS:
             raise ValueError(f"repair_donors must be one of {REPAIR_DONORS}, got {self.repair_donors!r}")
         if self.head_budgets == "adaptive":
-            for option, bad in (("decoding", self.decoding), ("log_certificate", self.log_certificate),
-                                ("coverage_layers", bool(self._coverage))):  # fmt: skip
+            for option, bad in (("decoding", self.decoding), ("coverage_layers", bool(self._coverage))):
                 if bad:
                     raise ValueError(
                         f"head_budgets='adaptive' evicts once per context (a ragged cache); it does not combine "
@@ -477,7 +477,7 @@ class CorePress(BasePress, name="core"):
             "next": 0,  # 1 + the last position processed
             "mem": None,
             "survive": torch.ones(hkv, device=device),  # Π_e (1 − ε̂_e): 1 − it is the predicted evicted mass
-            "shadow": None,  # (keys, values) of every evicted entry, only with log_certificate
+            "shadow": None,  # (keys, values, valid) of every evicted entry (right-padded per head), log_certificate
             "frozen": False,  # an adaptive (head-wise) event happened: no further event in this context
         }
 
@@ -621,9 +621,9 @@ class CorePress(BasePress, name="core"):
             st["mem"] = self._write(mem, idx, k_pre.gather(1, gather), v.float().gather(1, gather), wts, keys.dtype)
         st["survive"] = st["survive"] * (1 - eps_hat)
         if self.log_certificate and n_ev > 0:
-            ek, ev = k.gather(1, gather), v.gather(1, gather)
+            new = (k.gather(1, gather), v.gather(1, gather), valid)  # head-wise budgets: padding where valid is False
             old = st["shadow"]
-            st["shadow"] = (ek, ev) if old is None else (torch.cat([old[0], ek], 1), torch.cat([old[1], ev], 1))
+            st["shadow"] = new if old is None else tuple(torch.cat([a, b], 1) for a, b in zip(old, new, strict=True))
         self.events.append(
             {"layer": idx, "t_e": st["next"], "candidates": n, "budget": b, "evicted": n - b,
              "kept_per_head": (n - n_ev_head).tolist(), "eps_hat": eps_hat.tolist(),
@@ -720,21 +720,23 @@ class CorePress(BasePress, name="core"):
     def _log_certificate(self, module, st, layer, q_post, o_r, o_hat, g, lse_r) -> None:
         """True retention error vs the four-term bound, per query head (averaged over this forward's queries)."""
         h, t, d = q_post.shape
-        ek, ev = st["shadow"]  # (Hkv, E, D) post-RoPE keys and values of every evicted entry
+        ek, ev, valid = st["shadow"]  # (Hkv, E, D) post-RoPE keys and values of every evicted entry; (Hkv, E) mask
         hkv = ek.shape[0]
         gq = h // hkv
         scaling = float(getattr(module, "scaling", d**-0.5))
         logits_e = (q_post.view(hkv, gq, t, d) @ ek.float()[:, None].mT) * scaling  # (Hkv, G, T, E)
-        lse_e = logits_e.logsumexp(-1).reshape(h, t)
+        logits_e = logits_e.masked_fill(~valid[:, None, None], float("-inf"))  # a head's padding (head-wise budgets)
+        lse_e = logits_e.logsumexp(-1).reshape(h, t)  # -inf for a head that evicted nothing: α = 0 below
         lse_all = torch.logaddexp(lse_r, lse_e)
         alpha = (lse_e - lse_all).exp()  # true evicted mass α_E(q)
-        o_e = (logits_e.softmax(-1) @ ev.float()[:, None]).reshape(h, t, d)
+        o_e = (logits_e.softmax(-1).nan_to_num(0.0) @ ev.float()[:, None]).reshape(h, t, d)
         o_star = o_r + alpha[..., None] * (o_e - o_r)  # the identity, exact: o* = (S_R o_R + S_E o_E) / S
         mem = st["mem"]
         rep = lambda x: x.repeat_interleave(gq, 0)  # noqa: E731  (KV head -> its query heads)
         eps_hat = rep(1 - st["survive"])[:, None].expand(h, t)
         c_e = rep(mem.centroid)[:, None].expand(h, t, d)
-        r_exact = rep((ev.float() - mem.centroid[:, None]).norm(dim=-1).amax(-1))[:, None].expand(h, t)
+        r_exact = rep((ev.float() - mem.centroid[:, None]).norm(dim=-1).masked_fill(~valid, 0).amax(-1))
+        r_exact = r_exact[:, None].expand(h, t)
         ret_err = (o_star - o_r).norm(dim=-1)
         online = certificate_terms(eps_hat, self.certificate_delta, c_e, rep(mem.radius)[:, None].expand(h, t), o_r)
         exact = certificate_terms(eps_hat, (alpha - eps_hat).abs(), c_e, r_exact, o_r)
