@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
     presses = build_labelled_presses(args.methods, parse_press_options(args.press_option), args.ratio)
+    for m, press in presses.items():
+        if getattr(press, "log_certificate", False) and not press.memory:
+            raise SystemExit(f"--press-option {m}.log_certificate=true audits the memory, but {m} has memory=false")
     rows = []
     for hay in args.haystacks:
         for i, p in enumerate(build_prompts(tok, args.wording, hay, args.length, args.n, args.seed)):

@@ -87,3 +87,18 @@ def test_audited_core_press_scores_the_answer_as_the_unaudited_one(tmp_path):
         assert 0 <= a["gate_answer"] <= 1 and 0 < a["alpha_answer"] <= 1
         assert a["gain_answer"] == a["gain_answer"] and a["gain_question"] == a["gain_question"]  # not NaN
         assert len(a["gain_answer_layers"]) > 0
+
+
+@pytest.mark.skipif(
+    not (ROOT / "checkpoints" / "core-proxy" / "final").is_dir(),
+    reason="the shipped proxy CORE artifact is not checked out",
+)
+def test_memory_audit_without_a_memory_is_refused_naming_the_label():
+    ckpt = str(ROOT / "checkpoints" / "core-proxy" / "final")
+    with pytest.raises(SystemExit, match=r"nomem\.log_certificate.*memory=false"):
+        SCRIPT["main"]([
+            "--model", str(ROOT / "checkpoints" / "proxy-lm"), "--methods", "nomem", "--ratio", "0.75",
+            "--press-option", "nomem.kind=core", "--press-option", f"nomem.checkpoint={ckpt}",
+            "--press-option", "nomem.memory=false", "--press-option", "nomem.log_certificate=true",
+            "--haystacks", "noise", "--n", "1", "--length", "256",
+        ])  # fmt: skip
