@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from core_audit import query_heads, weighted_sum  # noqa: E402
 from needle_wording import HAYSTACKS, WORDINGS, build_labelled_presses, build_prompts, parse_press_options  # noqa: E402
 
 
@@ -69,15 +70,14 @@ def answer_scores(logprobs: torch.Tensor, answer: list[int]) -> dict:
 
 
 def _gain(rows: list[dict]) -> float:
-    """``1 − Σ comp_err / Σ ret_err`` over certificate rows (query-weighted, every head)."""
-    comp = sum(r["queries"] * sum(r["comp_err"]) for r in rows)
-    ret = sum(r["queries"] * sum(r["ret_err"]) for r in rows)
-    return 1 - comp / ret if ret > 0 else float("nan")
+    """``1 − Σ comp_err / Σ ret_err`` over certificate rows (query-weighted, every head; NaN without error)."""
+    ret = weighted_sum(rows, "ret_err")
+    return 1 - weighted_sum(rows, "comp_err") / ret if ret > 0 else float("nan")
 
 
 def _mean_of(rows: list[dict], key: str) -> float:
-    n = sum(r["queries"] * len(r[key]) for r in rows)
-    return sum(r["queries"] * sum(r[key]) for r in rows) / n if n else float("nan")
+    n = query_heads(rows)
+    return weighted_sum(rows, key) / n if n else float("nan")
 
 
 def memory_audit(question_rows: list[dict], answer_rows: list[dict]) -> dict:

@@ -62,25 +62,27 @@ def run(model, ckpt: Path, docs, ratio: float, chunk: int, tail: int, **options)
     return rows
 
 
-def _sum(rows, key) -> float:
+def weighted_sum(rows, key) -> float:
+    """``Σ_rows Σ_heads queries · row[key][head]`` over certificate rows (each row holds per-head means)."""
     return sum(sum(r[key][h] * r["queries"] for h in range(len(r[key]))) for r in rows)
 
 
-def _count(rows) -> int:
+def query_heads(rows) -> int:
+    """The number of (query, head) pairs the rows average over."""
     return sum(r["queries"] * len(r["ret_err"]) for r in rows)
 
 
 def table6(rows) -> dict:
-    n = _count(rows)
-    ret, bound = _sum(rows, "ret_err_rel") / n, _sum(rows, "bound_rel") / n
+    n = query_heads(rows)
+    ret, bound = weighted_sum(rows, "ret_err_rel") / n, weighted_sum(rows, "bound_rel") / n
     return {
-        "mu_E": _sum(rows, "alpha") / n,
-        "p_E": _sum(rows, "eps_hat") / n,
+        "mu_E": weighted_sum(rows, "alpha") / n,
+        "p_E": weighted_sum(rows, "eps_hat") / n,
         "bound": bound,
         "ret_err": ret,
         "tightness": ret / bound,
-        "online_bound_holds": _sum(rows, "holds") / n,
-        "exact_bound_holds": _sum(rows, "holds_exact") / n,
+        "online_bound_holds": weighted_sum(rows, "holds") / n,
+        "exact_bound_holds": weighted_sum(rows, "holds_exact") / n,
         "queries_x_heads": n,
     }
 
@@ -89,7 +91,7 @@ def gain(rows, event: int) -> float | None:
     sel = [r for r in rows if r["events"] == event]
     if not sel:
         return None
-    return 1 - _sum(sel, "comp_err") / _sum(sel, "ret_err")
+    return 1 - weighted_sum(sel, "comp_err") / weighted_sum(sel, "ret_err")
 
 
 def main(argv=None) -> None:
@@ -150,7 +152,7 @@ def main(argv=None) -> None:
 
 
 def gain_all(rows) -> float:
-    return 1 - _sum(rows, "comp_err") / _sum(rows, "ret_err")
+    return 1 - weighted_sum(rows, "comp_err") / weighted_sum(rows, "ret_err")
 
 
 if __name__ == "__main__":

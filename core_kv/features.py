@@ -116,9 +116,10 @@ def spec_differences(recorded: dict) -> str:
 
     Compares every recorded constant (window lengths, decays, thresholds) as well as the version and names, so a
     dataset or artifact built with other constants (e.g. a diagnostic's observation window) is refused by name."""
-    version = recorded.get("version") if isinstance(recorded, dict) else None
-    if isinstance(version, bool) or version not in FEATURE_SPECS:
-        return f"feature spec v{version} is not one this code computes ({sorted(FEATURE_SPECS)})"
+    try:
+        version = check_version(recorded.get("version") if isinstance(recorded, dict) else None, "recorded")
+    except ValueError as e:
+        return str(e)
     expected = spec(version)
     differ = sorted(k for k in set(recorded) | set(expected) if recorded.get(k) != expected.get(k))
     if "names" in differ:
