@@ -7,6 +7,8 @@ CPU cores including the teacher data. Batch arithmetic: documents per optimizer 
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 
 from core_kv.memory import WRITE_RULES
@@ -99,6 +101,133 @@ class MemoryStage:
                       ("steps", "weight_decay", "warmup_lr_steps", "grad_clip", "gate_weight"))  # fmt: skip
 
 
+RECIPES = ("replay", "released")
+
+
+@dataclass
+class OnlineConfig:
+    """The released recipe (``recipe: released``): the CORE authors' design as options whose defaults are theirs.
+
+    Source: GitHub ``zhutizi23-coder/CORE`` ``core/config.py`` defaults (``core/train.py``, ``core/collector.py``,
+    ``core/teacher.py``, ``core/indexer.py``); ``docs/method.md`` "The released recipe" lists what we keep different.
+    Feature spec v3 (:mod:`core_kv.features_v3`), the fixed key geometry (:mod:`core_kv.key_geometry`), the DRIVE
+    teacher (:mod:`core_kv.teacher.drive`), head-shared scores and the fast memory (:mod:`core_kv.fast_memory`) are
+    what the recipe means; the options below are their constants and the schedule. Micro-batches per optimizer step
+    are :attr:`TrainConfig.grad_accum` (the release: 4 sequential micro-batches, ``online_batch_size``).
+
+    Args:
+        geometry_seed: Seed of the fixed projection, prototypes and rotation.
+        d_z, num_prototypes: Projected key width and prototype count (64, 64).
+        drive_beta, drive_alpha, drive_tau, drive_steps, teacher_temperature: The DRIVE teacher (128, 1, 8, 8, 1).
+        student_temperature: τ_m: the student's distribution is ``softmax(s / τ_m)`` (KL, hinge margin, memory writes).
+        sinks: Protected first tokens, kept inside the budget and left out of the KL and the boundary ranking.
+        lambda_cal, lambda_bd: Weights of the KL and of the boundary hinge (1, 4).
+        boundary_delta, boundary_margin: Teacher ranks on each side of the cut (32) and the hinge margin (0.5).
+        budgets: Compression ratios supervised by the boundary hinge; with ``all_budgets`` every one of them at
+            every step (else only the step's ratio, drawn from them).
+        memory: Train the fast memory in the joint stage (False: indexer-only for all steps).
+        memory_dim, memory_gate_hidden, memory_decay, memory_tail, lambda_mem: The memory (512, 64, 0.9; MSE on the
+            last 16 queries; weight 1).
+        memory_dtype: How the artifact stores the memory's weights (``float32``; ``float16`` halves the file).
+        total_steps: Optimizer steps of the whole WSD schedule (both stages).
+        indexer_steps: Indexer-only steps before the joint stage (1000 of 5400).
+        warmup, stable, decay: WSD phases in optimizer steps (100 / 3100 / 2200).
+        lr_peak, lr_final: Peak learning rate and the end of the cosine decay (5e-4, 7.5e-6).
+        joint_indexer_lr_scale, joint_memory_lr_scale: Learning-rate multipliers in the joint stage (0.1, 1).
+        weight_decay, grad_clip: AdamW weight decay (torch's default 0.01) and the gradient-norm clip (1.0).
+        short_len, long_len, long_every: Training sequence lengths: ``long_len`` every ``long_every`` optimizer
+            steps, ``short_len`` otherwise (2048, 4096, 8).
+        decode_every, decode_window, decode_weight: A decode-window batch (the last 128 prefix queries as the event's
+            queries, phase 1) every 4 optimizer steps, loss weight 1 (0 disables).
+    """
+
+    geometry_seed: int = 42
+    d_z: int = 64
+    num_prototypes: int = 64
+    drive_beta: float = 128.0
+    drive_alpha: float = 1.0
+    drive_tau: float = 8.0
+    drive_steps: int = 8
+    teacher_temperature: float = 1.0
+    student_temperature: float = 1.0
+    sinks: int = 4
+    lambda_cal: float = 1.0
+    lambda_bd: float = 4.0
+    boundary_delta: int = 32
+    boundary_margin: float = 0.5
+    budgets: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
+    all_budgets: bool = True
+    memory: bool = True
+    memory_dim: int = 512
+    memory_gate_hidden: int = 64
+    memory_decay: float = 0.9
+    memory_tail: int = 16
+    lambda_mem: float = 1.0
+    memory_dtype: str = "float32"
+    total_steps: int = 5400
+    indexer_steps: int = 1000
+    warmup: int = 100
+    stable: int = 3100
+    decay: int = 2200
+    lr_peak: float = 5.0e-4
+    lr_final: float = 7.5e-6
+    joint_indexer_lr_scale: float = 0.1
+    joint_memory_lr_scale: float = 1.0
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    short_len: int = 2048
+    long_len: int = 4096
+    long_every: int = 8
+    decode_every: int = 4
+    decode_window: int = 128
+    decode_weight: float = 1.0
+
+    def check(self, prefix: str = "online.") -> None:
+        check_options(self, prefix, ("d_z", "num_prototypes", "drive_alpha", "drive_tau", "drive_steps",
+                                     "teacher_temperature", "student_temperature", "boundary_delta", "memory_dim",
+                                     "memory_gate_hidden", "memory_tail", "total_steps", "lr_peak", "short_len",
+                                     "long_len", "decode_window", "joint_indexer_lr_scale", "joint_memory_lr_scale"),
+                      ("drive_beta", "sinks", "lambda_cal", "lambda_bd", "boundary_margin", "lambda_mem",
+                       "indexer_steps", "warmup", "stable", "decay", "lr_final", "weight_decay", "grad_clip",
+                       "long_every", "decode_every", "decode_weight"))  # fmt: skip
+        if not self.budgets or any(not 0 < r < 1 for r in self.budgets):
+            raise ValueError(f"{prefix}budgets must be compression ratios in (0, 1), got {self.budgets}")
+        if self.indexer_steps > self.total_steps:
+            raise ValueError(f"{prefix}indexer_steps ({self.indexer_steps}) exceeds total_steps ({self.total_steps})")
+        if self.warmup + self.stable + self.decay < 1:
+            raise ValueError(f"{prefix}warmup + stable + decay must be >= 1 (the WSD schedule)")
+        if not 0 <= self.memory_decay <= 1:
+            raise ValueError(f"{prefix}memory_decay must be in [0, 1], got {self.memory_decay}")
+        if self.memory_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"{prefix}memory_dtype must be float32, float16 or bfloat16, got {self.memory_dtype!r}")
+        if self.lr_final > self.lr_peak:
+            raise ValueError(f"{prefix}lr_final ({self.lr_final}) exceeds lr_peak ({self.lr_peak})")
+
+    def lr_at(self, step: int) -> float:
+        """The WSD learning rate after ``step`` optimizer steps of the whole schedule: linear warm-up from 0, constant
+        ``lr_peak``, cosine decay to ``lr_final`` (held there after the schedule's end)."""
+        if step < self.warmup:
+            return self.lr_peak * step / max(1, self.warmup)
+        if step < self.warmup + self.stable:
+            return self.lr_peak
+        d = min(1.0, max(0.0, (step - self.warmup - self.stable) / max(1, self.decay)))
+        ratio = self.lr_final / self.lr_peak
+        return self.lr_peak * (ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * d)))
+
+    def seq_len(self, step: int) -> int:
+        """The training length at global optimizer step ``step`` (1-based, as the release counts)."""
+        return self.long_len if self.long_every > 0 and step % self.long_every == 0 else self.short_len
+
+    def decode_at(self, step: int) -> bool:
+        """Whether global optimizer step ``step`` (1-based) carries a decode-window batch."""
+        return self.decode_every > 0 and step % self.decode_every == 0
+
+    def ratio_at(self, seed: int, step: int) -> float:
+        """The step's compression ratio (memory partition; the boundary budget without ``all_budgets``): one of
+        ``budgets``, drawn by a generator seeded with ``seed`` and the global step (the same on resume)."""
+        return self.budgets[random.Random(seed * 1_000_003 + step).randrange(len(self.budgets))]
+
+
 @dataclass
 class TrainConfig:
     """Everything ``train(cfg)`` depends on.
@@ -123,6 +252,10 @@ class TrainConfig:
         overwrite: Retrain from scratch: delete the folder's stages, states and ``final/`` first (the only way a run
             replaces a finished artifact).
         wandb: Log through ``accelerator.init_trackers``/``log`` (``wandb_mode`` offline works without login).
+        recipe: ``replay`` (the teacher dataset, on-policy replay, calibration and latent-memory stages of
+            CORE.md) or ``released`` (the CORE authors' design: online distillation with the frozen model in the loop,
+            :class:`OnlineConfig`).
+        online: The released recipe's options (read only when ``recipe: released``).
     """
 
     out_dir: str = "runs/core-proxy"
@@ -150,8 +283,13 @@ class TrainConfig:
     wandb_mode: str = "offline"
     progress: bool = True
     threads: int = 0
+    recipe: str = "replay"
+    online: OnlineConfig = field(default_factory=OnlineConfig)
 
     def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}")
+        self.online.check()
         if self.write_rule not in WRITE_RULES:
             raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {self.write_rule!r}")
         for name in ("micro_batch", "grad_accum", "save_every", "keep_last"):

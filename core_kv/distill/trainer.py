@@ -70,6 +70,9 @@ LATER_DEFAULTS = {("indexer", "cascade"): False, ("teacher", "features"): 1}
 def _hashed(cfg) -> dict:
     """``to_dict(cfg)`` without the :data:`LATER_DEFAULTS` options that are at their default."""
     d = to_dict(cfg)
+    if d.get("recipe", "replay") == "replay":  # added with the released recipe; unread by the replay recipe
+        d.pop("recipe", None)
+        d.pop("online", None)
     for (section, name), default in LATER_DEFAULTS.items():
         if d[section].get(name, default) == default:
             d[section].pop(name, None)
@@ -96,6 +99,8 @@ def _accelerator(cfg):
 class Trainer:
     """The run's shared objects (accelerator, frozen base model, teacher data, CORE model, documents, timers) and its
     folder layout; :func:`train` runs the stages of :mod:`~core_kv.distill.stages` on it in order."""
+
+    stages = STAGES
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -181,14 +186,18 @@ class Trainer:
         fp = self.fingerprint
         params = cfg.teacher.teacher_params()
         try:
-            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features)
+            self.ds = TeacherDataset(
+                cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features
+            )
         except (FileNotFoundError, TeacherDatasetMismatch) as e:
             if not cfg.build_teacher:
                 raise
             self.print(f"teacher data: {e} -> building it (python -m core_kv.teacher equivalent)")
             run_teacher(replace(cfg.teacher, progress=cfg.progress and cfg.teacher.progress))
             acc.wait_for_everyone()
-            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features)
+            self.ds = TeacherDataset(
+                cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features
+            )
         self.print(f"teacher data: {self.ds.path} ({len(self.ds)} records)")
         geometry = self.ds.geometry()
         t = self.ds.manifest["teacher"]
@@ -272,7 +281,12 @@ def train(cfg) -> dict:
     stops the run early.
     """
     t0 = time.perf_counter()
-    tr = Trainer(cfg)
+    if cfg.recipe == "released":
+        from core_kv.distill.online import ReleasedTrainer
+
+        tr = ReleasedTrainer(cfg)
+    else:
+        tr = Trainer(cfg)
     final = tr.out / "final"
     try:
         tr.print(f"run folder: {tr.out} (the artifact goes to {final})")
@@ -299,7 +313,7 @@ def train(cfg) -> dict:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         elif tr.main and not same_run:
             old = (stored or {}).get("stages") or {}
-            for name in STAGES:
+            for name in tr.stages:
                 if old.get(name) != key["stages"][name] and (
                     (tr.out / "state" / name).exists() or list((tr.out / "stages").glob(f"{name}.*"))
                 ):
@@ -309,6 +323,13 @@ def train(cfg) -> dict:
             atomic_write_json(key_path, key)
         tr.acc.wait_for_everyone()
         tr.setup()
+        if cfg.recipe == "released":
+            from core_kv.distill.online import released_summary
+
+            summary = released_summary(tr, t0) | {"artifact": str(final)}
+            tr.save_final(summary)
+            tr.print(format_summary(summary))
+            return summary
         train_indexer(tr)
         calib = calibrate(tr)
         train_memory(tr)

@@ -110,7 +110,11 @@ class TeacherConfig:
         if self.lam < 0:
             raise ValueError(f"lam must be >= 0, got {self.lam}")
         self.lam_at(0)  # validates lam_layers
-        check_version(self.features, "features")
+        if check_version(self.features, "features") == 3:
+            raise ValueError(
+                "features: spec v3 (the released features) is computed online by the released recipe "
+                "(recipe: released in a train config), not stored in teacher datasets"
+            )
         if self.utility_pool not in POOLS:
             raise ValueError(f"utility_pool must be one of {POOLS}, got {self.utility_pool!r}")
         if not 0 <= self.qa_weight <= 1:
