@@ -18,10 +18,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from core_kv.fast_memory import DECAY, GATE_HIDDEN, FastMemory
 from core_kv.features import FEATURE_SPECS, SHARED_SPECS, spec, spec_differences
+from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
 from core_kv.indexer import CoreIndexer
 from core_kv.key_geometry import KeyGeometry
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
-from core_kv.teacher.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
 
 ARTIFACT_VERSION = 1
 MEMORY_KINDS = ("latent", "fast")

@@ -430,7 +430,7 @@ def released_summary(tr: ReleasedTrainer, t0: float) -> dict:
     """Train both stages, evaluate, and return the run's summary (the artifact is written by the caller)."""
     train_online(tr)
     ev = evaluate_online(tr)
-    from core_kv.distill.profile import timing
+    from core_kv.distill.timing import timing
 
     return {
         "recipe": "released",
