@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from core_kv.fast_memory import DECAY, GATE_HIDDEN, FastMemory
 from core_kv.features import FEATURE_SPECS, SHARED_SPECS, spec, spec_differences
+from core_kv.features_v3 import compute_features_v3, special_mask
 from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
 from core_kv.indexer import CoreIndexer
 from core_kv.key_geometry import KeyGeometry
@@ -168,6 +169,38 @@ class CoreModel(CorePreTrainedModel):
     def key_geometry(self) -> KeyGeometry:
         """The released fixed key geometry stored in a spec-v3 artifact."""
         return KeyGeometry(self.key_projection.detach(), self.key_prototypes.detach(), self.key_rotation.detach())
+
+    @torch.no_grad()
+    def released_scores(
+        self,
+        layer: int,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query_pos: torch.Tensor,
+        key_pos: torch.Tensor,
+        seq_len: int,
+        scaling: float,
+        phase: int = 0,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One score per candidate (N,) of a spec-v3 artifact at one event of ``layer``, shared by the KV heads.
+
+        Args:
+            queries: The event's post-RoPE queries (H, T, D) at ``query_pos`` (T,) (every prefill query; the last
+                decode interval's queries at a decode event).
+            keys, values: The cached post-RoPE keys and values (Hkv, N, D) at ``key_pos`` (N,).
+            seq_len: Tokens processed so far (the uncompressed length).
+            scaling: The attention module's score scale.
+            phase: 0 at a prefill event, 1 at a decode event.
+            token_ids: The candidates' token ids (N,), for the special-token flag (``None``: sinks only).
+        """
+        if not self.config.shared_scores:
+            raise ValueError("released_scores needs a feature spec v3 artifact (head-shared scores)")
+        special = special_mask(token_ids, self.config.special_token_ids)
+        feats, _, _ = compute_features_v3(queries, keys, values, query_pos, key_pos, seq_len, self.key_geometry(),
+                                          layer, scaling, phase, special)  # fmt: skip
+        return self.indexer.scores(layer, feats[None])[0]
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained`` with the memory's weights stored in ``config.memory_dtype``."""

@@ -186,3 +186,19 @@ def test_shipped_released_yamls_load():
     for path in sorted((ROOT / "configs" / "train").glob("*released*.yaml")):
         cfg = load_config(TrainConfig, [str(path)])
         assert cfg.recipe == "released", path
+
+
+def test_released_scores_equal_the_indexer_on_the_v3_features(reference):
+    from core_kv.core_model import CoreModel
+    from core_kv.features_v3 import compute_features_v3, special_mask
+
+    core = CoreModel.from_pretrained(reference / "final")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(4, 20, 16, generator=gen), torch.randn(2, 20, 16, generator=gen), torch.randn(2, 20, 16)
+    pos = torch.arange(20)
+    ids = torch.randint(0, 300, (20,), generator=gen)
+    got = core.released_scores(1, q, k, v, pos, pos, 20, 0.25, token_ids=ids)
+    feats, _, _ = compute_features_v3(q, k, v, pos, pos, 20, core.key_geometry(), 1, 0.25, 0,
+                                      special_mask(ids, core.config.special_token_ids))  # fmt: skip
+    torch.testing.assert_close(got, core.indexer.scores(1, feats[None])[0])
+    assert got.shape == (20,)
