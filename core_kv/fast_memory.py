@@ -196,6 +196,36 @@ class FastMemory(nn.Module):
         theta = fold_theta(self.theta[layer], self.kv_heads, self.groups)
         return write(state, theta, keys, values, weights, mass, decay)
 
+    def write_event(
+        self,
+        state: FastState,
+        layer: int,
+        scores: torch.Tensor,
+        evicted: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        temperature: float = 1.0,
+        decay: float = DECAY,
+    ) -> FastState:
+        """One eviction event as training and inference run it: ``p = softmax(s/τ)`` over all the event's candidates
+        (sinks included), weights conditioned on the evicted set, the decayed write.
+
+        Args:
+            scores: The student's scores of the candidates (N,) (head-shared).
+            evicted: Which candidates leave the cache (N,) bool.
+            keys, values: The candidates' post-RoPE keys and values (Hkv, N, D).
+        """
+        p = torch.softmax(scores.detach().float() / temperature, -1)
+        weights, mass = conditional_weights(p, evicted)
+        return self.write(state, layer, concat_heads(keys)[evicted], concat_heads(values)[evicted], weights[evicted],
+                          mass, decay)  # fmt: skip
+
+    def readout_heads(self, state: FastState, layer: int, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`readout` for per-head post-RoPE queries (H, T, D): the residual to add to the attention output
+        before ``o_proj``, (T, H·D), and the gate (T,)."""
+        h, t, d = queries.shape
+        return self.readout(state, layer, queries.transpose(0, 1).reshape(t, h * d))
+
     def readout(self, state: FastState, layer: int, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g(q) m(q) (T, W), g (T,))`` for concatenated post-RoPE queries (T, W)."""
         g = self.gate(layer, queries)

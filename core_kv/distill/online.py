@@ -48,7 +48,7 @@ from core_kv.distill.loop import run_stage
 from core_kv.distill.losses import boundary_windows, masked_kl, multi_budget_hinge, pairwise_hinge
 from core_kv.distill.replay import Timer, capture
 from core_kv.distill.trainer import Trainer
-from core_kv.fast_memory import concat_heads, conditional_weights, memory_mse
+from core_kv.fast_memory import memory_mse
 from core_kv.features import spec
 from core_kv.features_v3 import compute_features_v3, special_mask
 from core_kv.key_geometry import KeyGeometry
@@ -219,12 +219,9 @@ def _memory_term(a: LayerQKV, memory, layer: int, scores: torch.Tensor, n: int, 
     with torch.no_grad():
         o_full = attention_rows(a, qpos, causal)
         o_ret = attention_rows(a, qpos, causal & readable[None, :])
-    p = torch.softmax(scores.float() / o.student_temperature, -1)
-    weights, mass = conditional_weights(p, evicted)
-    state = memory.write(memory.empty_state(dev), layer, concat_heads(a.k_post[:, :n])[evicted],
-                         concat_heads(a.v[:, :n])[evicted], weights[evicted], mass, o.memory_decay)  # fmt: skip
-    queries = a.q_post[:, qpos].transpose(0, 1).reshape(tail, -1)  # (tail, W)
-    residual, gate = memory.readout(state, layer, queries)
+    state = memory.write_event(memory.empty_state(dev), layer, scores, evicted, a.k_post[:, :n], a.v[:, :n],
+                               o.student_temperature, o.memory_decay)  # fmt: skip
+    residual, gate = memory.readout_heads(state, layer, a.q_post[:, qpos])
     gap = float((o_full - o_ret).pow(2).sum(-1).mean())
     return memory_mse(o_full, o_ret, residual), gap, float(gate.detach().mean())
 
