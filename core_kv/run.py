@@ -24,7 +24,8 @@ def train(cfg) -> dict:
         return summary
     from core_kv.teacher.docs import load_model
 
-    out, artifact = Path(cfg.out_dir), Path(summary["artifact"])
+    out = Path(cfg.out_dir)
+    artifact = out / "final"  # (summary["artifact"] is where it was trained, maybe another folder)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     model, tok = load_model(cfg.teacher.model, "cuda" if torch.cuda.is_available() else "cpu")
