@@ -23,6 +23,7 @@ from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, m
 from core_kv.indexer import CoreIndexer
 from core_kv.key_geometry import KeyGeometry
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
+from core_kv.policy import PAPER, InferencePolicy
 
 ARTIFACT_VERSION = 1
 MEMORY_KINDS = ("latent", "fast")
@@ -41,7 +42,10 @@ class CoreConfig(PretrainedConfig):
         chunk_size: Prefill chunk the indexer was trained on.
         fingerprint: :func:`~core_kv.teacher.geometry.model_fingerprint` of the base model.
         feature_spec: :func:`core_kv.features.spec` at training time.
-        teacher: The teacher's parameters (λ, R0, …) from its manifest (the released recipe: its DRIVE constants).
+        teacher: The teacher's parameters (λ, R0, …) from its manifest.
+        inference_policy: The composition to run per compression-ratio band, chosen by ``train.py``'s policy stage
+            on its own validation prompts (:class:`~core_kv.policy.InferencePolicy` as a dict); ``None``: the paper's
+            press.
         memory_kind: ``latent`` (:mod:`core_kv.memory`, one state per KV head, the reconstruction of CORE.md) or
             ``fast`` (:mod:`core_kv.fast_memory`, the authors' release: one state per layer, post-RoPE queries).
         memory_gate_hidden, memory_decay: The fast memory's gate width and decay γ across events.
@@ -68,6 +72,7 @@ class CoreConfig(PretrainedConfig):
         fingerprint: dict | None = None,
         feature_spec: dict | None = None,
         teacher: dict | None = None,
+        inference_policy: dict | None = None,
         artifact_version: int = ARTIFACT_VERSION,
         memory_kind: str = "latent",
         memory_gate_hidden: int = GATE_HIDDEN,
@@ -93,6 +98,7 @@ class CoreConfig(PretrainedConfig):
         self.fingerprint = fingerprint or {}
         self.feature_spec = feature_spec or spec()
         self.teacher = teacher or {}
+        self.inference_policy = inference_policy
         self.artifact_version = artifact_version
         self.memory_kind, self.memory_gate_hidden, self.memory_decay = memory_kind, memory_gate_hidden, memory_decay
         self.memory_dtype = memory_dtype
@@ -269,6 +275,12 @@ class CoreModel(CorePreTrainedModel):
         core.memory.float()  # stored in config.memory_dtype, computed in float32
         return core.eval()
 
+    def policy(self) -> InferencePolicy:
+        """The recorded inference policy (the paper's press for every ratio when none is recorded)."""
+        if self.config.inference_policy is None:
+            return InferencePolicy.single(PAPER, validation={"note": "no policy recorded: the paper's press"})
+        return InferencePolicy.from_dict(self.config.inference_policy)
+
     def num_parameters_by_part(self) -> dict:
         return {
             "indexer": sum(p.numel() for p in self.indexer.parameters()),
@@ -288,6 +300,8 @@ def check_artifact(path: Path) -> None:
         v, low = getattr(config, name, None), 0 if name.startswith("protected") else 1
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{cfg_file}: {name} must be an integer >= {low}, got {v!r}")
+    if config.inference_policy is not None:
+        InferencePolicy.from_dict(config.inference_policy, f"{cfg_file}: inference_policy")
     if config.num_heads % config.num_kv_heads:
         raise ValueError(f"{cfg_file}: num_heads ({config.num_heads}) must be a multiple of num_kv_heads")
     if not weights.is_file():

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 
 from core_kv.memory import WRITE_RULES
+from core_kv.policy import PolicyStageConfig
 from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
 
 
@@ -256,6 +257,8 @@ class TrainConfig:
             CORE.md) or ``released`` (the CORE authors' design: online distillation with the frozen model in the loop,
             :class:`OnlineConfig`).
         online: The released recipe's options (read only when ``recipe: released``).
+        policy: The last stage: the inference policy chosen on the pipeline's own validation prompts and recorded in
+            the artifact (:class:`~core_kv.policy.PolicyStageConfig`; ``policy.enabled=false`` skips it).
     """
 
     out_dir: str = "runs/core-proxy"
@@ -285,6 +288,7 @@ class TrainConfig:
     threads: int = 0
     recipe: str = "replay"
     online: OnlineConfig = field(default_factory=OnlineConfig)
+    policy: PolicyStageConfig = field(default_factory=PolicyStageConfig)
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -307,6 +311,7 @@ class TrainConfig:
         self.indexer.check()
         self.calibration.check()
         self.memory.check()
+        self.policy.check()
         if self.wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError("wandb_mode must be offline, online or disabled")
         if self.stop_after < 0:
