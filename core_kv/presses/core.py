@@ -18,6 +18,12 @@ compression_ratio=r)`` applies the band of r, ``policy="paper"`` the paper's pre
 (``head_budgets``, ``head_pool``, ``repair``, ``memory``) overrides the policy — the override shows in the press's repr
 and in its :meth:`config_dict` (results folders).
 
+A feature spec v3 artifact (the authors' released design, ``recipe: released``) composes instead
+``FastMemoryPress(CoreReleasedScorerPress(checkpoint))`` (:mod:`~core_kv.presses.released_scorer`,
+:mod:`~core_kv.presses.fast_memory`): one score per token, the same kept set in every KV head, the released memory;
+its policy may switch the memory off (or keep it in some layers) but not change the head budgets or add the repair
+pass (a v3 score is defined on one candidate set per layer).
+
 Deviations from the paper, each measured (docs/method.md): head-wise budgets and value-aware head pooling, the repair
 pass on CORE's retained sets, and the memory switched off (or kept in some layers) where the validation data says it
 does not help.
@@ -31,7 +37,9 @@ from core_kv.policy import PAPER, PolicyOptions
 from core_kv.presses.adakv import AdaKVPress
 from core_kv.presses.base import BasePress, WrapperPress
 from core_kv.presses.core_scorer import CoreScorerPress
+from core_kv.presses.fast_memory import FastMemoryPress
 from core_kv.presses.latent_memory import LatentMemoryPress
+from core_kv.presses.released_scorer import CoreReleasedScorerPress
 from core_kv.presses.twin_repair import TwinRepairPress
 
 POLICIES = ("artifact", "paper")
@@ -90,6 +98,13 @@ class CorePress(WrapperPress, name="core"):
             decoding_slack=self.decoding_slack, checkpoint=self.checkpoint, protected_sinks=self.protected_sinks,
             protected_recent=self.protected_recent, calibrated=self.calibrated, allocation=self.allocation,
         )  # fmt: skip
+        released = scorer._core is not None and scorer._core.config.shared_scores
+        if released:  # a feature spec v3 artifact: the released design's scorer and memory
+            scorer = CoreReleasedScorerPress(
+                compression_ratio=self.compression_ratio, budget=self.budget, decoding=self.decoding,
+                decoding_slack=self.decoding_slack, checkpoint=self.checkpoint, protected_sinks=self.protected_sinks,
+                protected_recent=self.protected_recent, calibrated=self.calibrated, allocation=self.allocation,
+            )  # fmt: skip
         self.protected_sinks, self.protected_recent = scorer.protected_sinks, scorer.protected_recent
         base = PAPER
         if self.policy == "artifact" and scorer._core is not None:
@@ -101,11 +116,27 @@ class CorePress(WrapperPress, name="core"):
             self.options = PolicyOptions.from_dict({**base.to_dict(), **given}, f"{self.name}")
         except ValueError as e:
             raise ValueError(f"{e} (policy {base.describe()!r} with overrides {given})") from None
-        if self.options.memory is False and (self.write_rule, self.budget_matched, self.memory_dtype) != (None, False, None):
+        if self.options.memory is False and (self.write_rule, self.budget_matched, self.memory_dtype) != (
+            None,
+            False,
+            None,
+        ):
             raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype apply to the memory, which "
                              f"this composition ({self.options.describe()}) does not run")  # fmt: skip
-        self.press = compose(scorer, self.options, self.write_rule, self.budget_matched, self.memory_dtype,
-                             self.memory_class)  # fmt: skip
+        if released:
+            if self.options.head_budgets != "uniform" or self.options.repair:
+                raise ValueError(f"{self.name}: {self.checkpoint} is a feature spec v3 artifact (one score per token, "
+                                 f"the same kept set in every KV head): head_budgets must be 'uniform' and repair "
+                                 f"false, got {self.options.describe()!r}")  # fmt: skip
+            if (self.write_rule, self.budget_matched, self.memory_dtype) != (None, False, None):
+                raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype are the latent memory's; "
+                                 "a spec-v3 artifact runs the released fast memory")  # fmt: skip
+            self.press = scorer
+            if self.options.memory_layers is not None and not scorer.is_noop:
+                self.press = FastMemoryPress(press=scorer, layers=self.options.memory_layers)
+        else:
+            self.press = compose(scorer, self.options, self.write_rule, self.budget_matched, self.memory_dtype,
+                                 self.memory_class)  # fmt: skip
         super().validate()
 
     @property
@@ -113,8 +144,8 @@ class CorePress(WrapperPress, name="core"):
         return self.inner(CoreScorerPress)
 
     @property
-    def memory_press(self) -> LatentMemoryPress | None:
-        return self.inner(LatentMemoryPress)
+    def memory_press(self) -> LatentMemoryPress | FastMemoryPress | None:
+        return self.inner((LatentMemoryPress, FastMemoryPress))
 
     @property
     def core(self):
@@ -168,7 +199,10 @@ def compose(
     press: BasePress = scorer
     if options.head_budgets == "adaptive":
         press = AdaKVPress(
-            press=press, alpha_safeguard=options.alpha_safeguard, pool=options.head_pool, pool_epsilon=options.pool_epsilon
+            press=press,
+            alpha_safeguard=options.alpha_safeguard,
+            pool=options.head_pool,
+            pool_epsilon=options.pool_epsilon,
         )
     if options.repair:  # donors: CORE's own protected positions (the scorer's), not the pass's defaults
         press = TwinRepairPress(press=press, protected_sinks=scorer.protected_sinks,
@@ -198,7 +232,12 @@ class CoreKeyDiffPress(CorePress, name="core_keydiff"):
 def core_parameter_counts(core) -> dict:
     """Added parameters (paper Table 18): indexer, memory + gate, and the frozen geometry buffers."""
     parts = core.num_parameters_by_part()
-    geo = sum(getattr(core, f"geo_{k}").numel() for k in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt"))
+    names = (
+        ("key_projection", "key_prototypes", "key_rotation")
+        if core.config.shared_scores
+        else tuple(f"geo_{k}" for k in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt"))
+    )
+    geo = sum(getattr(core, k).numel() for k in names)
     return {**parts, "geometry_buffers": geo, "total": parts["indexer"] + parts["memory"] + geo}
 
 
