@@ -166,3 +166,38 @@ def test_the_trained_tiny_artifact_runs_end_to_end(tmp_path):
     assert all(layer.keys.shape[2] == 60 for layer in cache.layers)
     assert len(greedy_answer(model, cache, 120, torch.tensor([[5, 6]]), 4, press, eos_token_ids=[])) == 4
     assert isinstance(cache, DynamicCache)
+
+
+def test_policy_stage_compares_only_the_v3_compositions(tmp_path):
+    """On a v3 artifact the default grid narrows to uniform budgets without repair (memory on / off); the recorded
+    policy applies through the core press; explicit head-wise candidates are refused."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import core_kv.eval.policy_stage as stage
+    from core_kv.policy import PolicyStageConfig
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints" / "proxy-lm"
+    tok = AutoTokenizer.from_pretrained(root)
+    lm = AutoModelForCausalLM.from_pretrained(root).eval()
+    fp = model_fingerprint(lm)
+    cfg = CoreConfig(num_layers=fp["layers"], num_heads=fp["heads"], num_kv_heads=fp["kv_heads"],
+                     head_dim=fp["head_dim"], d_z=64, num_prototypes=64, memory_dim=32, protected_recent=0,
+                     fingerprint=fp, feature_spec=spec(3), memory_kind="fast")  # fmt: skip
+    torch.manual_seed(0)
+    core = CoreModel(cfg)
+    core.set_key_geometry(KeyGeometry.draw(fp["layers"], fp["kv_heads"], fp["head_dim"]))
+    art = tmp_path / "final"
+    core.save_pretrained(art)
+    small = PolicyStageConfig(ratios=[0.75], length=160, per_task=1)
+    policy = stage.run_policy_stage(small, art, lm, tok, tmp_path / "work", progress=False)
+    rows = json.loads((art / "config.json").read_text())["inference_policy"]["candidates"]["0.75"]
+    assert sorted(r["label"] for r in rows) == ["uniform, memory", "uniform, memory off"]
+    press = build_press("core", checkpoint=str(art), compression_ratio=0.75)
+    assert press.options == policy.for_ratio(0.75)
+    with pytest.raises(ValueError, match="spec v3"):
+        stage.run_policy_stage(PolicyStageConfig(ratios=[0.75], length=160, per_task=1,
+                                                 candidates=[{"head_budgets": "adaptive"}]), art, lm, tok,
+                               tmp_path / "work2", progress=False)  # fmt: skip

@@ -279,7 +279,7 @@ class ReleasedTrainer(Trainer):
     def run_key(self) -> dict:
         skip = {"out_dir", "progress", "threads", "stop_after", "overwrite", "wandb", "wandb_project", "wandb_mode",
                 "save_every", "keep_last", "build_teacher", "indexer", "calibration", "memory", "write_rule",
-                "calib_docs"}  # fmt: skip
+                "calib_docs", "policy"}  # fmt: skip
         d = to_dict(self.cfg)
         resolved = {k: v for k, v in d.items() if k not in skip}
         resolved["teacher"] = {"model": d["teacher"]["model"], "data": d["teacher"]["data"]}

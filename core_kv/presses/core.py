@@ -124,16 +124,10 @@ class CorePress(WrapperPress, name="core"):
             raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype apply to the memory, which "
                              f"this composition ({self.options.describe()}) does not run")  # fmt: skip
         if released:
-            if self.options.head_budgets != "uniform" or self.options.repair:
-                raise ValueError(f"{self.name}: {self.checkpoint} is a feature spec v3 artifact (one score per token, "
-                                 f"the same kept set in every KV head): head_budgets must be 'uniform' and repair "
-                                 f"false, got {self.options.describe()!r}")  # fmt: skip
             if (self.write_rule, self.budget_matched, self.memory_dtype) != (None, False, None):
                 raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype are the latent memory's; "
                                  "a spec-v3 artifact runs the released fast memory")  # fmt: skip
-            self.press = scorer
-            if self.options.memory_layers is not None and not scorer.is_noop:
-                self.press = FastMemoryPress(press=scorer, layers=self.options.memory_layers)
+            self.press = compose_released(scorer, self.options, f"{self.name}: {self.checkpoint}")
         else:
             self.press = compose(scorer, self.options, self.write_rule, self.budget_matched, self.memory_dtype,
                                  self.memory_class)  # fmt: skip
@@ -213,6 +207,22 @@ def compose(
     return press
 
 
+def compose_released(scorer: CoreReleasedScorerPress, options: PolicyOptions, where: str = "core") -> BasePress:
+    """The stack for ``options`` around a spec-v3 scorer: the released memory (outermost) unless the options switch
+    it off. Head-wise budgets and the repair pass are refused: a v3 score is defined on one candidate set per layer."""
+    if options.head_budgets != "uniform" or options.repair:
+        raise ValueError(f"{where} is a feature spec v3 artifact (one score per token, the same kept set in every KV "
+                         f"head): head_budgets must be 'uniform' and repair false, got {options.describe()!r}")  # fmt: skip
+    if options.memory_layers is None or scorer.is_noop:
+        return scorer
+    return FastMemoryPress(press=scorer, layers=options.memory_layers)
+
+
+def released_candidate(options: PolicyOptions) -> bool:
+    """Whether a composition applies to a spec-v3 artifact (uniform budgets, no repair pass)."""
+    return options.head_budgets == "uniform" and not options.repair
+
+
 @dataclass(repr=False)
 class CoreEAPress(CorePress, name="core_ea"):
     """``CORE_EA`` (paper Table 13): ExpectedAttention scores replace the indexer's allocation; the paper's press."""
@@ -241,4 +251,5 @@ def core_parameter_counts(core) -> dict:
     return {**parts, "geometry_buffers": geo, "total": parts["indexer"] + parts["memory"] + geo}
 
 
-__all__ = ["OVERRIDES", "POLICIES", "CoreEAPress", "CoreKeyDiffPress", "CorePress", "compose", "core_parameter_counts"]
+__all__ = ["OVERRIDES", "POLICIES", "CoreEAPress", "CoreKeyDiffPress", "CorePress", "compose", "compose_released",
+           "core_parameter_counts", "released_candidate"]  # fmt: skip
