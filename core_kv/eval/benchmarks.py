@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from core_kv.config import ConfigError, check_on_init, option
 from core_kv.eval.schema import Sample
 from core_kv.presses.base import BasePress
 
@@ -48,20 +49,15 @@ class BenchmarkConfig:
 
     kind: str | None = None
     tasks: list[str] | None = None
-    lengths: list[int] = field(default_factory=list)
-    num_samples: int | None = None
+    lengths: list[int] = option(factory=list, ge=1)
+    num_samples: int | None = option(None, ge=1)
     source: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def check(self, prefix: str = "") -> None:
-        """Raise ``ValueError`` naming ``<prefix>num_samples`` / ``<prefix>lengths`` for a count below 1."""
-        n = self.num_samples
-        if n is not None and (isinstance(n, bool) or n < 1):
-            raise ValueError(f"{prefix}num_samples must be >= 1, or null for all samples, got {n}")
-        if any(isinstance(v, bool) or v < 1 for v in self.lengths):
-            raise ValueError(f"{prefix}lengths must be positive token counts, got {list(self.lengths)}")
+        """Cross-field rules (the field checks are :func:`core_kv.config.check_config`'s): no duplicate task."""
         if self.tasks is not None and len(set(self.tasks)) != len(self.tasks):
-            raise ValueError(f"{prefix}tasks has duplicates: {list(self.tasks)}")
+            raise ConfigError(f"{prefix}tasks has duplicates: {list(self.tasks)}")
 
 
 @dataclass
@@ -84,18 +80,15 @@ class GenerationConfig:
             the question-agnostic protocol, the question fed on top of the compressed context.
     """
 
-    max_new_tokens: int | None = None
-    chunk_size: int | None = None
+    max_new_tokens: int | None = option(None, ge=1)
+    chunk_size: int | None = option(None, ge=1)
     use_chat_template: bool | None = None
-    max_context_length: int | None = None
+    max_context_length: int | None = option(None, ge=1)
     stop_at_newline: bool = False
     compress_questions: bool = False
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "chunk_size", "max_context_length"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"generation.{name} must be positive or null, got {v}")
+        check_on_init(self)
 
     def fed(self, sample: Sample) -> Sample:
         """The sample as this protocol feeds it: with ``compress_questions`` the question moves into the context."""

@@ -34,7 +34,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from core_kv.config import to_dict
+from core_kv.config import ConfigError, check_on_init, non_empty, option, to_dict
 from core_kv.eval.benchmarks import (
     BENCHMARKS,
     Benchmark,
@@ -44,9 +44,16 @@ from core_kv.eval.benchmarks import (
     GroupJob,
     get_benchmark,
 )
-from core_kv.eval.schema import Sample, cell_dir
+from core_kv.eval.schema import Sample, cell_dir, ratio_label
 from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
-from core_kv.models.loading import check_context_window, default_model, load_model, model_label
+from core_kv.models.loading import (
+    ATTN_IMPLEMENTATIONS,
+    DTYPES,
+    check_context_window,
+    default_model,
+    load_model,
+    model_label,
+)
 from core_kv.presses.base import PRESSES, BasePress, build_press
 
 REFERENCE = "full"
@@ -69,9 +76,9 @@ class ModelConfig:
     """
 
     name: str = ""
-    dtype: str = "auto"
+    dtype: str = option("auto", choices=DTYPES)
     device_map: str | None = None
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = option("sdpa", choices=ATTN_IMPLEMENTATIONS)
     trust_remote_code: bool = False
     revision: str | None = None
 
@@ -88,16 +95,10 @@ class TrackerConfig:
             (``wandb sync`` uploads later).
     """
 
-    name: str = "none"
+    name: str = option("none", choices=("none", "wandb"))
     project: str = "core_kv-eval"
     run_name: str | None = None
-    mode: str = "offline"
-
-    def __post_init__(self):
-        if self.name not in ("none", "wandb"):
-            raise ValueError(f"tracker.name must be 'none' or 'wandb', got {self.name!r}")
-        if self.mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"tracker.mode must be offline, online or disabled, got {self.mode!r}")
+    mode: str = option("offline", choices=("offline", "online", "disabled"))
 
 
 def _default_datasets() -> dict[str, BenchmarkConfig]:
@@ -140,51 +141,73 @@ class EvalConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     methods: list[str] = field(default_factory=lambda: ["keydiff", "snapkv", "streaming_llm", "knorm"])
-    ratios: list[float] = field(default_factory=lambda: [0.75])
+    ratios: list[float] = option(factory=lambda: [0.75], gt=0, lt=1)
     reference: bool = True
     press_options: dict[str, Any] = field(default_factory=dict)
-    benchmarks: list[str] = field(default_factory=lambda: ["ruler", "niah"])
+    benchmarks: list[str] = option(factory=lambda: ["ruler", "niah"], check=non_empty)
     datasets: dict[str, BenchmarkConfig] = field(default_factory=_default_datasets)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    output_dir: str = "results/eval"
-    seed: int = 42
+    output_dir: str = option("results/eval", check=non_empty)
+    seed: int = option(42, ge=0)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     progress: bool = True
     plots: bool = True
-    cpu_threads: int | None = 1
+    cpu_threads: int | None = option(1, ge=1)
 
     def __post_init__(self):
+        check_on_init(self)
+
+    def check(self, prefix: str = "") -> None:
+        """Cross-field rules; the field checks (types, ranges, choices) are :func:`core_kv.config.check_config`'s."""
         import core_kv.presses  # noqa: F401  (registers the built-in presses)
 
-        for m in self.methods:
-            kind = (self.press_options.get(m) or {}).get("kind", m)
-            if kind not in PRESSES:
-                raise ValueError(f"unknown method {kind!r}; registered presses: {', '.join(sorted(PRESSES))}")
         if len(set(self.methods)) != len(self.methods):
-            raise ValueError(f"methods has duplicates: {self.methods}")
-        for r in self.ratios:
-            if not 0.0 < r < 1.0:
-                raise ValueError(f"ratios must be in (0, 1) (fraction of the cache removed), got {r}")
-        if not self.benchmarks:
-            raise ValueError("benchmarks is empty: name at least one entry of datasets")
+            raise ConfigError(f"{prefix}methods has duplicates: {self.methods}")
+        for m in self.methods:
+            opts = self.press_options.get(m)
+            if opts is not None and not isinstance(opts, dict):
+                raise ConfigError(f"{prefix}press_options.{m} must be a mapping of {m}'s options (option: value), "
+                                  f"got {opts!r}")  # fmt: skip
+            kind = (opts or {}).get("kind", m)
+            if kind not in PRESSES:
+                raise ConfigError(
+                    f"{prefix}methods: unknown method {kind!r}; registered presses: {', '.join(sorted(PRESSES))}"
+                )
+        labels = [ratio_label(r) for r in self.ratios]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"{prefix}ratios has duplicates: {list(self.ratios)}")
+        compressed = [m for m in self.methods if m != REFERENCE]
+        if compressed and not self.ratios:
+            raise ConfigError(
+                f"{prefix}ratios is empty: methods {compressed} need at least one compression ratio in (0, 1) "
+                "(methods=[] runs the reference alone)"
+            )
         if len(set(self.benchmarks)) != len(self.benchmarks):
-            raise ValueError(f"benchmarks has duplicates: {self.benchmarks}")
+            raise ConfigError(f"{prefix}benchmarks has duplicates: {self.benchmarks}")
         for b in self.benchmarks:
             if b not in self.datasets:
                 self.datasets[b] = BenchmarkConfig()  # a registered benchmark with its defaults
             kind = self.datasets[b].kind or b
             if kind not in BENCHMARKS:
-                raise ValueError(f"unknown benchmark {kind!r}; registered: {', '.join(sorted(BENCHMARKS))}")
-        for name, d in self.datasets.items():
-            d.check(f"datasets.{name}.")
+                raise ConfigError(
+                    f"{prefix}benchmarks: unknown benchmark {kind!r}; registered: {', '.join(sorted(BENCHMARKS))}"
+                )
         unknown_opts = set(self.press_options) - set(self.methods) - {REFERENCE}
         if unknown_opts:  # e.g. a shipped config narrowed with methods=[...] on the command line
             warnings.warn(f"press_options for methods not in the run are ignored: {sorted(unknown_opts)}", stacklevel=2)
             self.press_options = {k: v for k, v in self.press_options.items() if k not in unknown_opts}
         if not self.methods and not self.reference:
-            raise ValueError("nothing to run: no methods and reference=false")
+            raise ConfigError(f"{prefix}methods: nothing to run: no methods and reference=false")
         if self.model.device_map is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("model.device_map shards one model; it cannot be combined with several processes")
+            raise ConfigError(
+                f"{prefix}model.device_map shards one model; it cannot be combined with several processes"
+            )
+        for m in self.methods:  # every press option, type and range, before anything is loaded
+            try:
+                _build_press(self, m, self.ratios[0] if self.ratios else 0.5)
+            except (ValueError, TypeError) as e:
+                where = f"press_options.{m}" if self.press_options.get(m) else f"methods: {m}"
+                raise ConfigError(f"{prefix}{where}: {e}") from None
 
 
 @dataclass
@@ -440,7 +463,7 @@ def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model
     press = _build_press(cfg, method, ratio)
     spec = _cell_spec(cfg, b, name, press, method, ratio)
     spec_yaml = OmegaConf.to_yaml(OmegaConf.create(_jsonable(spec)))
-    tag = f"{b.entry} | {method} @ {ratio:.2f}"
+    tag = f"{b.entry} | {method} @ {ratio_label(ratio)}"
 
     status = [None]
     if main:

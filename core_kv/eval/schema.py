@@ -54,6 +54,13 @@ def model_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name.replace("/", "--"))
 
 
+def ratio_label(ratio: float) -> str:
+    """The compression ratio as folders and reports name it: two decimals (``0.75``, ``0.50``) when they are the ratio
+    exactly, else its shortest exact form (``0.125``, ``0.7549``), so two ratios never share a label."""
+    two = f"{ratio:.2f}"
+    return two if float(two) == ratio else repr(float(ratio))
+
+
 def cell_dir(output_dir: str | Path, benchmark: str, model: str, method: str, ratio: float) -> Path:
-    """``{output_dir}/{benchmark}__{model}__{method}__{ratio:.2f}`` (kvpress's layout)."""
-    return Path(output_dir) / f"{benchmark}__{model_slug(model)}__{method}__{ratio:.2f}"
+    """``{output_dir}/{benchmark}__{model}__{method}__{ratio_label(ratio)}`` (kvpress's layout)."""
+    return Path(output_dir) / f"{benchmark}__{model_slug(model)}__{method}__{ratio_label(ratio)}"

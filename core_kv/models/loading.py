@@ -34,6 +34,9 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 
+DTYPES = ("auto", *_DTYPES)  # what a ``dtype`` option may name
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
 
 class ContextWindowError(ValueError):
     """A requested context is longer than the model's context window."""

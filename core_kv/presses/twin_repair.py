@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core_kv.presses.base import BasePress, Kept, build_press
+from core_kv.presses.options import check_press_options
 
 
 def best_twin(
@@ -131,6 +132,7 @@ class TwinRepairPress(BasePress, name="twin_repair"):
     block_size: int = 512
 
     def __post_init__(self):
+        check_press_options(self)
         if isinstance(self.press, str):
             if self.press == self.name:
                 raise ValueError("twin_repair cannot wrap itself")
@@ -142,6 +144,8 @@ class TwinRepairPress(BasePress, name="twin_repair"):
                 **self.press_options,
             )
         elif isinstance(self.press, BasePress):
+            if isinstance(self.press, TwinRepairPress):
+                raise ValueError("twin_repair cannot wrap itself")
             if self.press_options:
                 raise ValueError("press_options only apply to a press given by name")
             inner = self.press
