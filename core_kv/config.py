@@ -190,17 +190,25 @@ def check_value(value: Any, annotation: Any, name: str, **constraints: Any) -> N
     if custom is not None:  # the whole value (a list as a list)
         wanted = custom(value)
         if wanted:
-            raise ConfigError(f"{name} must be {wanted}, got {value!r}")
+            raise ConfigError(f"{name} must be {wanted}, got {shown(value)}")
     items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
     for i, v in items:  # bounds and choices: each item of a list
         where = name if i is None else f"{name}[{i}]"
         choices = constraints.get("choices")
         if choices is not None and v not in choices:
-            raise ConfigError(f"{where} must be one of {', '.join(map(repr, choices))}, got {v!r}")
+            raise ConfigError(f"{where} must be one of {', '.join(map(repr, choices))}, got {shown(v)}")
         bounds = [(op, constraints[op]) for op in ("ge", "gt", "le", "lt") if op in constraints]
         if bounds and isinstance(v, numbers.Real) and not isinstance(v, bool):
             if not all(_OPS[op][0](v, b) for op, b in bounds):
-                raise ConfigError(f"{where} must be {_bounds_text(bounds)}, got {v!r}")
+                raise ConfigError(f"{where} must be {_bounds_text(bounds)}, got {shown(v)}")
+
+
+def shown(value: Any, width: int = 80) -> str:
+    """``value`` as messages quote it: its repr cut to ``width`` characters, with its type unless a number/bool/None
+    (``'4' (str)``, ``b'The grass...' (bytes)``)."""
+    text = repr(value)
+    text = text if len(text) <= width else text[: width - 3] + "..."
+    return text if value is None or isinstance(value, (bool, int, float)) else f"{text} ({type(value).__name__})"
 
 
 def non_empty(value: Any) -> str | None:
@@ -227,7 +235,7 @@ def _bounds_text(bounds: list[tuple[str, float]]) -> str:
 
 def _check_type(value: Any, ann: Any, name: str) -> None:
     if not _matches(value, ann, name):
-        raise ConfigError(f"{name} must be {describe_type(ann)}, got {value!r}")
+        raise ConfigError(f"{name} must be {describe_type(ann)}, got {shown(value)}")
 
 
 def _matches(value: Any, ann: Any, name: str) -> bool:

@@ -405,7 +405,7 @@ class JsonlSamples(Benchmark, name="jsonl"):
         files = sorted(src.glob("*.jsonl")) if src.is_dir() else [src]
         if not files or not files[0].is_file():
             raise FileNotFoundError(f"no JSONL samples at {src}")
-        samples = [Sample(**row) for f in files for row in read_jsonl(f)]
+        samples = [_jsonl_sample(f, k, row) for f in files for k, row in enumerate(read_jsonl(f), 1)]
         if cfg.tasks is not None:
             known = {s.task for s in samples}
             unknown = sorted(set(cfg.tasks) - known)
@@ -420,6 +420,26 @@ class JsonlSamples(Benchmark, name="jsonl"):
                     kept.append(s)
             samples = kept
         return samples
+
+
+def _jsonl_sample(path: Path, k: int, row) -> Sample:
+    """Record ``k`` of ``path`` as a question-answering sample; a malformed one raises naming the file and record."""
+    from core_kv.eval.scorers import METRICS
+
+    where = f"{path}: record {k}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: must be a JSON object of Sample fields, got {type(row).__name__}")
+    try:
+        sample = Sample(**row)
+    except TypeError as e:  # a missing or unknown field
+        raise ValueError(f"{where}: {e}".replace("Sample.__init__() ", "")) from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if sample.max_new_tokens < 1:
+        raise ValueError(f"{where}: max_new_tokens must be >= 1 (tokens to generate), got {sample.max_new_tokens}")
+    if sample.metric not in METRICS:
+        raise ValueError(f"{where}: metric must be one of {', '.join(sorted(METRICS))}, got {sample.metric!r}")
+    return sample
 
 
 def write_samples(path: str | Path, samples: list[Sample]) -> Path:

@@ -25,6 +25,7 @@ import math
 import os
 import time
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from core_kv.eval.benchmarks import (
 )
 from core_kv.eval.schema import Sample, cell_dir, ratio_label
 from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
+from core_kv.lock import main_process_lock
 from core_kv.models.loading import (
     ATTN_IMPLEMENTATIONS,
     DTYPES,
@@ -262,7 +264,7 @@ class _Prepared:
 
 
 def _prepare(samples, groups, tokenizer, model, gen: GenerationConfig, name: str) -> _Prepared:
-    from core_kv.pipeline import encode
+    from core_kv.pipeline import check_window, encode
 
     n = len(samples)
     ctx_hash, in_hash, in_tokens = [""] * n, [""] * n, [0] * n
@@ -282,11 +284,7 @@ def _prepare(samples, groups, tokenizer, model, gen: GenerationConfig, name: str
             ctx_hash[i] = _sha256_ids(c_ids)
             in_hash[i] = _sha256_ids(c_ids + [-1] + q_ids)
             in_tokens[i] = len(c_ids) + len(q_ids)
-            check_context_window(
-                model,
-                in_tokens[i] + gen.budget(s),
-                f"{name}/{s.task} (length {s.length}): {in_tokens[i]} input tokens + {gen.budget(s)} new tokens",
-            )
+            check_window(model, len(c_ids), len(q_ids), gen.budget(s), f"{name}/{s.task} (length {s.length})")
     return _Prepared(ctx_hash, in_hash, in_tokens)
 
 
@@ -371,7 +369,9 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
     out_root = Path(cfg.output_dir)
     name = cfg.model.name or default_model()
     label = model_label(name)
+    locked = ExitStack()
     try:
+        locked.enter_context(main_process_lock(out_root, "evaluation", acc))  # one writer per results folder
         if cfg.tracker.name != "none":
             run_name = {"wandb": {"name": cfg.tracker.run_name}} if cfg.tracker.run_name else {}
             acc.init_trackers(cfg.tracker.project, config=to_dict(cfg), init_kwargs=run_name)
@@ -416,6 +416,8 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
             bench_cells = []
             for method, ratio in grid:
                 bench_cells.append(_run_cell(cfg, acc, loaded, method, ratio, model, tokenizer, name, label))
+            if main:  # an earlier run's finished cells in this folder are reported too
+                bench_cells += _other_cells(out_root, entry, name, bench_cells)
             if main and cfg.plots:
                 files += report.benchmark_plots(bench, entry, bench_cells, out_root / "plots")
             cells += bench_cells
@@ -423,6 +425,11 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
         markdown, results = "", EvalResults([], "", out_root)
         if main:
             markdown = report.markdown_report(cells, label, cfg)
+            others = [c for c in folder_cells(out_root) if c["model"] != name]  # other models' cells in this folder
+            for model_name in dict.fromkeys(c["model"] for c in others):
+                mine = [c for c in others if c["model"] == model_name]
+                markdown += "\n" + report.markdown_report(mine, mine[0].get("model_label", model_name))
+                cells += mine
             files.insert(0, atomic_write_text(out_root / "report.md", markdown))
             files.append(atomic_write_json(out_root / "results.json", {"model": label, "cells": cells}))
             if cfg.tracker.name != "none":
@@ -431,6 +438,7 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
         acc.wait_for_everyone()
         return results
     finally:
+        locked.close()
         torch.set_num_threads(threads)
         for tracker in acc.trackers:
             tracker.finish()
@@ -479,7 +487,7 @@ def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model
             print(f"[core_kv eval] {tag}: finished earlier, skipped ({folder})", flush=True)
             for p in folder.glob("predictions.partial.rank*.jsonl"):
                 p.unlink()
-            return json.loads((folder / "metrics.json").read_text(encoding="utf-8"))
+            return read_metrics(folder / "metrics.json")
         return {}
 
     done_ids = [None]
@@ -565,11 +573,19 @@ def _same_spec(stored_yaml: str, spec_yaml: str, defaults: dict[str, dict]) -> b
 
 
 def _check_folder(folder: Path, spec_yaml: str, defaults: dict[str, dict] | None = None) -> str:
-    """``finished``, ``resume`` or ``new``; a folder written by a different config raises (``defaults``: see
-    :func:`_same_spec`)."""
+    """``finished``, ``resume`` or ``new``; a folder written by a different config, or whose ``config.yaml`` cannot be
+    read, raises naming it (``defaults``: see :func:`_same_spec`). A ``metrics.json`` that cannot be read or is not a
+    cell's metrics is reported and the cell recomputed."""
     cfg_path = folder / "config.yaml"
     if cfg_path.exists():
-        if not _same_spec(cfg_path.read_text(encoding="utf-8"), spec_yaml, defaults or {}):
+        try:
+            same = _same_spec(cfg_path.read_text(encoding="utf-8"), spec_yaml, defaults or {})
+        except Exception as e:  # binary or malformed YAML: whose cell it is cannot be told
+            raise ValueError(
+                f"{cfg_path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the "
+                f"cell cannot be matched to this run: delete {folder} to recompute it, or use another output_dir"
+            ) from None
+        if not same:
             raise ValueError(
                 f"{folder} holds results of a different configuration (compare its config.yaml); use another "
                 "output_dir or delete the folder"
@@ -577,14 +593,66 @@ def _check_folder(folder: Path, spec_yaml: str, defaults: dict[str, dict] | None
         metrics = folder / "metrics.json"
         if not metrics.exists():
             return "resume"
-        try:
-            json.loads(metrics.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # e.g. a disk filled up while it was written
-            warnings.warn(f"{metrics} is unreadable ({e}): the cell is treated as unfinished and recomputed",
-                          stacklevel=2)  # fmt: skip
+        spec = OmegaConf.to_container(OmegaConf.create(spec_yaml))
+        if read_metrics(metrics, spec) is None:  # e.g. a disk filled up while it was written: recomputed
             return "resume"
         return "finished"
     return "new"
+
+
+CELL_KEYS = ("benchmark", "model", "method", "ratio", "average", "num_samples", "num_contexts")
+
+
+def read_metrics(path: Path, spec: dict | None = None) -> dict | None:
+    """A cell's ``metrics.json``, or ``None`` with a warning naming the file when it cannot be read, is not a cell's
+    metrics (a key of :data:`CELL_KEYS` missing) or belongs to another cell than ``spec`` (benchmark, method,
+    ratio): the cell is then recomputed."""
+    metrics, problem = _load_metrics(path, spec)
+    if problem:
+        warnings.warn(f"{path} is unreadable ({problem}): the cell is treated as unfinished and recomputed",
+                      stacklevel=2)  # fmt: skip
+    return metrics
+
+
+def _load_metrics(path: Path, spec: dict | None = None) -> tuple[dict | None, str | None]:
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+        return None, f"{type(e).__name__}: {e}"
+    if not isinstance(metrics, dict):
+        return None, f"not a JSON object ({type(metrics).__name__})"
+    missing = [k for k in CELL_KEYS if k not in metrics]
+    if missing:
+        return None, f"missing {', '.join(missing)}"
+    if spec and any(metrics[k] != spec.get(k) for k in ("benchmark", "method", "ratio")):
+        return None, "the metrics of another cell"
+    return metrics, None
+
+
+def folder_cells(out_root: Path) -> list[dict]:
+    """Every finished cell under ``out_root`` (a folder with ``config.yaml`` and a readable ``metrics.json``); a
+    damaged ``metrics.json`` is reported, naming it, and left out."""
+    found = []
+    for path in sorted(out_root.glob("*/metrics.json")):
+        if (path.parent / "config.yaml").is_file():
+            metrics, problem = _load_metrics(path)
+            if problem:
+                warnings.warn(f"{path} is unreadable ({problem}): left out of the report", stacklevel=2)
+            else:
+                found.append(metrics)
+    return found
+
+
+def _other_cells(out_root: Path, entry: str, model: str, cells: list[dict]) -> list[dict]:
+    """Finished cells of ``entry`` and ``model`` in ``out_root`` that this run did not compute (an earlier run's
+    methods or ratios), so the report covers every finished cell of the folder; the reference first."""
+    have = {(c["method"], c["ratio"]) for c in cells}
+    found = [
+        c
+        for c in folder_cells(out_root)
+        if c["benchmark"] == entry and c["model"] == model and (c["method"], c["ratio"]) not in have
+    ]
+    return sorted(found, key=lambda c: (c["method"] != REFERENCE, c["method"], c["ratio"]))
 
 
 def _row(s: Sample, i: int, g: int, method, ratio, res: dict, prep: _Prepared, gen: GenerationConfig) -> dict:

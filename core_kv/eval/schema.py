@@ -6,6 +6,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from core_kv.config import check_config, option
 from core_kv.models.loading import TINY
 
 
@@ -35,10 +36,13 @@ class Sample:
     question: str
     answer_prefix: str
     answers: list[str]
-    max_new_tokens: int
+    max_new_tokens: int = option(ge=0)
     metric: str
-    length: int
+    length: int = option(ge=0)
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_config(self)  # every field's type (a jsonl row with "max_new_tokens": "8" is named, not run)
 
     def to_dict(self) -> dict:
         return asdict(self)
