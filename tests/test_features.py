@@ -159,4 +159,3 @@ def test_v2_replaces_the_flags_with_keydiff_and_twin_scores():
         compute_features(attn, q, k, v, pos, 119, z, phi, protos, version=2)
     with pytest.raises(ValueError, match="feature spec v7"):
         compute_features(attn, q, k, v, pos, 119, z, phi, protos, keys_post=k_post, version=7)
-

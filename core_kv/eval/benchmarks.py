@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from core_kv.config import ConfigError, check_on_init, option
+from core_kv.config import ConfigError, check_on_init, check_value, option
 from core_kv.eval.schema import Sample
 from core_kv.presses.base import BasePress
 
@@ -430,13 +430,13 @@ def _jsonl_sample(path: Path, k: int, row) -> Sample:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: must be a JSON object of Sample fields, got {type(row).__name__}")
     try:
+        if "max_new_tokens" in row:  # a question is answered: 1 token at least (Sample allows 0, for fidelity)
+            check_value(row["max_new_tokens"], int, "max_new_tokens", ge=1)
         sample = Sample(**row)
     except TypeError as e:  # a missing or unknown field
         raise ValueError(f"{where}: {e}".replace("Sample.__init__() ", "")) from None
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    if sample.max_new_tokens < 1:
-        raise ValueError(f"{where}: max_new_tokens must be >= 1 (tokens to generate), got {sample.max_new_tokens}")
     if sample.metric not in METRICS:
         raise ValueError(f"{where}: metric must be one of {', '.join(sorted(METRICS))}, got {sample.metric!r}")
     return sample

@@ -139,7 +139,7 @@ class ProxyTrainConfig:
     key_sentences: int | None = option(None, ge=0)  # needle sentences in the BPE corpus; None = one per noun
     model: ProxyModelConfig = field(default_factory=ProxyModelConfig)
     phases: list[Phase] = option(factory=lambda: [Phase()], check=non_empty)
-    total_steps: int = option(3000, ge=1)
+    total_steps: int = option(3000, ge=0)
     lr: float = option(2e-3, gt=0)
     min_lr_ratio: float = option(0.1, ge=0, le=1)
     decay_fraction: float = option(0.2, ge=0, le=1)
