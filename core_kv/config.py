@@ -183,7 +183,8 @@ def field_types(cls: type) -> dict[str, Any]:
 def check_value(value: Any, annotation: Any, name: str, **constraints: Any) -> None:
     """Raise :class:`ConfigError` ``"<name> must be <what>, got <value>"`` when ``value`` does not match
     ``annotation`` or the :func:`option` ``constraints``; ``None`` passes the constraints (``X | None`` decides)."""
-    _check_type(value, annotation, name)
+    bounds = [(op, constraints[op]) for op in ("ge", "gt", "le", "lt") if op in constraints]
+    _check_type(value, annotation, name, bounds)  # "lam must be a finite number >= 0, got nan": type and range
     if value is None or not constraints:
         return
     custom = constraints.get("check")
@@ -197,7 +198,6 @@ def check_value(value: Any, annotation: Any, name: str, **constraints: Any) -> N
         choices = constraints.get("choices")
         if choices is not None and v not in choices:
             raise ConfigError(f"{where} must be one of {', '.join(map(repr, choices))}, got {shown(v)}")
-        bounds = [(op, constraints[op]) for op in ("ge", "gt", "le", "lt") if op in constraints]
         if bounds and isinstance(v, numbers.Real) and not isinstance(v, bool):
             if not all(_OPS[op][0](v, b) for op, b in bounds):
                 raise ConfigError(f"{where} must be {_bounds_text(bounds)}, got {shown(v)}")
@@ -233,12 +233,12 @@ def _bounds_text(bounds: list[tuple[str, float]]) -> str:
     return " and ".join(f"{_OPS[op][1]} {b}" for op, b in bounds)
 
 
-def _check_type(value: Any, ann: Any, name: str) -> None:
-    if not _matches(value, ann, name):
-        raise ConfigError(f"{name} must be {describe_type(ann)}, got {shown(value)}")
+def _check_type(value: Any, ann: Any, name: str, bounds: list | tuple = ()) -> None:
+    if not _matches(value, ann, name, bounds):
+        raise ConfigError(f"{name} must be {describe_type(ann, bounds)}, got {shown(value)}")
 
 
-def _matches(value: Any, ann: Any, name: str) -> bool:
+def _matches(value: Any, ann: Any, name: str, bounds: list | tuple = ()) -> bool:
     """Whether ``value`` fits ``ann``; an item of a list or dict that does not fit raises naming the item."""
     if ann is Any or ann is object or isinstance(ann, (str, typing.TypeVar)):
         return True
@@ -248,7 +248,7 @@ def _matches(value: Any, ann: Any, name: str) -> bool:
             return type(None) in args
         arms = [a for a in args if a is not type(None)]
         if len(arms) == 1:  # X | None with a value: X's own (more precise) error
-            return _matches(value, arms[0], name)
+            return _matches(value, arms[0], name, bounds)
         return any(_safe_matches(value, a, name) for a in arms)
     if origin is typing.Literal:
         return value in args
@@ -268,7 +268,7 @@ def _matches(value: Any, ann: Any, name: str) -> bool:
         item = args[0] if args and (origin is list or (len(args) == 2 and args[1] is Ellipsis)) else None
         if item is not None:
             for i, v in enumerate(value):
-                _check_type(v, item, f"{name}[{i}]")
+                _check_type(v, item, f"{name}[{i}]", bounds)
         return True
     if origin is dict or ann is dict:
         if not isinstance(value, dict):
@@ -295,11 +295,14 @@ def _safe_matches(value: Any, ann: Any, name: str) -> bool:
         return False
 
 
-def describe_type(ann: Any) -> str:
-    """``float | None`` -> ``"a finite number or null"`` (what a valid value is, for messages)."""
+def describe_type(ann: Any, bounds: list | tuple = ()) -> str:
+    """``float | None`` -> ``"a finite number or null"`` (what a valid value is, for messages); ``bounds`` (``[("ge",
+    0)]``) qualify a number: ``"a finite number >= 0"``."""
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(describe_type(a) for a in args)
+        return " or ".join(describe_type(a, bounds) for a in args)
+    if bounds and ann in (int, float):
+        return f"{describe_type(ann)} {_bounds_text(list(bounds))}"
     if origin is typing.Literal:
         return "one of " + ", ".join(map(repr, args))
     names = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "schema, args, message",
     [
-        (TeacherConfig, ["lam=nan"], r"^lam must be a finite number, got nan$"),
+        (TeacherConfig, ["lam=nan"], r"^lam must be a finite number >= 0, got nan$"),
         (TeacherConfig, ["model.dtype=bogus"], r"^model\.dtype must be one of 'float32', 'float16', 'bfloat16'"),
         (TeacherConfig, ["eta=abc"], r"^eta must be 'auto' or a number in \(0, 1\], got 'abc'"),
         (TeacherConfig, ["threads=-1"], r"^threads must be >= 0, got -1$"),
@@ -46,14 +46,14 @@ ROOT = Path(__file__).resolve().parents[1]
             r"^data\.mix must be a mapping of proxy tasks .* unknown: \['nope'\]",
         ),
         (TeacherConfig, ["model.attn_implementation=fast"], r"^model\.attn_implementation must be one of 'sdpa'"),
-        (TrainConfig, ["teacher.lam=nan"], r"^teacher\.lam must be a finite number, got nan$"),
+        (TrainConfig, ["teacher.lam=nan"], r"^teacher\.lam must be a finite number >= 0, got nan$"),
         (TrainConfig, ["calibration.log_t_min=-inf"], r"^calibration\.log_t_min must be a finite number, got -inf$"),
         (TrainConfig, ["teacher.model.dtype=bogus"], r"^teacher\.model\.dtype must be one of"),
         (TrainConfig, ["teacher.eta=abc"], r"^teacher\.eta must be 'auto' or a number"),
         (TrainConfig, ["threads=-1"], r"^threads must be >= 0, got -1$"),
         (TrainConfig, ["teacher.steps=20"], r"^teacher\.ref_steps must be >= teacher\.steps \(20\), got 16$"),
         (TrainConfig, ["ratios=[0.5,1.0]"], r"^ratios\[1\] must be in \(0, 1\), got 1\.0$"),
-        (TrainConfig, ["memory.gate_lr=nan"], r"^memory\.gate_lr must be a finite number or null, got nan$"),
+        (TrainConfig, ["memory.gate_lr=nan"], r"^memory\.gate_lr must be a finite number > 0 or null, got nan$"),
         (TrainConfig, ["teacher.out_dir=runs/core-proxy"], r"teacher\.out_dir must differ from out_dir"),
         (TrainConfig, ["threads=abc"], r"threads: Value 'abc' of type 'str' could not be converted to Integer"),
         (EvalConfig, ["ratios=[0.5,0.5]"], r"^ratios has duplicates: \[0\.5, 0\.5\]$"),
@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (EvalConfig, ["datasets.ruler.lengths=[1024,-1]"], r"^datasets\.ruler\.lengths\[1\] must be >= 1, got -1$"),
         (EvalConfig, ["press_options.snapkv.window_size='4'"], r"^press_options\.snapkv: press 'snapkv': window_size"),
         (EvalConfig, ["press_options.knorm.decoding='no'"], r"^press_options\.knorm: .*decoding must be true or false"),
-        (ProxyTrainConfig, ["lr=nan"], r"^lr must be a finite number, got nan$"),
+        (ProxyTrainConfig, ["lr=nan"], r"^lr must be a finite number > 0, got nan$"),
         (ProxyTrainConfig, ["betas=[0.9]"], r"^betas must be two numbers \[beta1, beta2\]"),
         (ProxyTrainConfig, ["probe_tasks=[nope]"], r"^probe_tasks must be proxy tasks"),
     ],
@@ -91,7 +91,7 @@ def test_the_float_ratio_labels_round_trip_and_never_collide():
 
 
 def test_a_directly_built_config_is_checked_too():
-    with pytest.raises(ConfigError, match=r"^lam must be a finite number, got nan"):
+    with pytest.raises(ConfigError, match=r"^lam must be a finite number >= 0, got nan"):
         TeacherConfig(lam=float("nan"))
     with pytest.raises(ConfigError, match=r"^calibration\.log_t_min must be a finite number"):
         check_config(TrainConfig(calibration=dataclasses.replace(TrainConfig().calibration, log_t_min=-float("inf"))))
@@ -222,8 +222,8 @@ def test_twin_repair_refuses_a_twin_repair_instance_like_its_name():
     [
         ({"max_new_tokens": -5}, ValueError, r"^max_new_tokens must be >= 1, got -5$"),
         ({"max_new_tokens": 0}, ValueError, r"^max_new_tokens must be >= 1, got 0$"),
-        ({"max_new_tokens": "4"}, ValueError, r"^max_new_tokens must be an integer, got '4' \(str\)$"),
-        ({"max_new_tokens": 4.5}, ValueError, r"^max_new_tokens must be an integer, got 4\.5$"),
+        ({"max_new_tokens": "4"}, ValueError, r"^max_new_tokens must be an integer >= 1, got '4' \(str\)$"),
+        ({"max_new_tokens": 4.5}, ValueError, r"^max_new_tokens must be an integer >= 1, got 4\.5$"),
         ({"max_new_tokens": [4]}, ValueError, r"^max_new_tokens has 1 budgets for 2 questions"),
         ({"max_new_tokens": [4, -1]}, ValueError, r"^max_new_tokens\[1\] must be >= 1, got -1$"),
         ({"max_context_length": -5}, ValueError, r"^max_context_length must be >= 1, got -5$"),
@@ -264,7 +264,7 @@ def test_a_negative_budget_in_a_jsonl_row_is_named_with_its_file(tmp_path):
     for value, message in [
         (-3, r"max_new_tokens must be >= 1, got -3"),
         (0, r"max_new_tokens must be >= 1, got 0"),
-        ("8", r"max_new_tokens must be an integer, got '8'"),
+        ("8", r"max_new_tokens must be an integer >= 1, got '8'"),
     ]:
         path = tmp_path / "rows.jsonl"
         path.write_text(json.dumps({**row, "max_new_tokens": 8}) + "\n" + json.dumps({**row, "max_new_tokens": value}))
