@@ -32,6 +32,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -71,9 +72,14 @@ def load_config(schema: type[T], argv: list[str] | None = None, usage: str | Non
         i += 1
     try:
         merged = OmegaConf.merge(base, *layers)
-    except OmegaConfBaseException as e:  # omegaconf's errors name the key: "threads: Value 'x' of type 'str' ..."
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"invalid config for {schema.__name__}: {f'{key}: ' if key else ''}{_first(e)}") from None
+    except (OmegaConfBaseException, TypeError) as e:  # omegaconf's errors name the key: "threads: Value 'x' ..."
+        key = getattr(e, "full_key", None) or next(
+            filter(None, (_offending_key(base, layer) for layer in layers)), None
+        )
+        hint = " (a list where a mapping is expected, or the reverse)" if isinstance(e, TypeError) else ""
+        raise ConfigError(
+            f"invalid config for {schema.__name__}: {f'{key}: ' if key else ''}{_first(e)}{hint}"
+        ) from None
     token = _LOADING.set(True)  # the tree is checked once, from the root, so nested errors carry their dotted names
     try:
         cfg = OmegaConf.to_object(merged)
@@ -81,6 +87,20 @@ def load_config(schema: type[T], argv: list[str] | None = None, usage: str | Non
         _LOADING.reset(token)
     check_config(cfg)
     return cfg  # type: ignore[return-value]
+
+
+def _offending_key(base: DictConfig, layer: DictConfig, prefix: str = "") -> str | None:
+    """The dotted key of ``layer`` that cannot be merged into ``base`` (omegaconf's "Cannot merge incompatible
+    container types" names none), e.g. a list given where a mapping is expected."""
+    for key in layer:
+        try:
+            OmegaConf.merge(base, {key: layer[key]})
+        except Exception:
+            inner, sub = base.get(key) if key in base else None, layer[key]
+            if isinstance(inner, DictConfig) and isinstance(sub, DictConfig):
+                return _offending_key(inner, sub, f"{prefix}{key}.") or f"{prefix}{key}"
+            return f"{prefix}{key}"
+    return None
 
 
 def read_yaml_config(path: Path) -> DictConfig:
@@ -94,12 +114,16 @@ def read_yaml_config(path: Path) -> DictConfig:
             f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start}): is it a YAML file?"
         ) from None
     try:
-        node = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+        top = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {_first(e)}") from None
+    if top is not None and not isinstance(top, dict):
+        kind = "a list" if isinstance(top, list) else f"a single value ({type(top).__name__})"
+        raise ConfigError(f"config file {path}: the top level must be a mapping of options (key: value), got {kind}")
+    try:
+        return OmegaConf.create(text) if top is not None else OmegaConf.create({})
     except Exception as e:
         raise ConfigError(f"config file {path} is not valid YAML: {_first(e)}") from None
-    if not isinstance(node, DictConfig):
-        raise ConfigError(f"config file {path}: the top level must be a mapping of options (key: value), got a list")
-    return node
 
 
 def _first(e: BaseException) -> str:
@@ -209,6 +233,13 @@ def shown(value: Any, width: int = 80) -> str:
     text = repr(value)
     text = text if len(text) <= width else text[: width - 3] + "..."
     return text if value is None or isinstance(value, (bool, int, float)) else f"{text} ({type(value).__name__})"
+
+
+def folder(value: Any) -> str | None:
+    """An :func:`option` ``check``: a non-empty path that is not an existing file (an output folder)."""
+    if not len(str(value)):
+        return "a folder path (non-empty)"
+    return "a folder path, not an existing file" if Path(value).is_file() else None
 
 
 def non_empty(value: Any) -> str | None:

@@ -162,6 +162,8 @@ class CoreModel(CorePreTrainedModel):
         kwargs.setdefault("local_files_only", True)
         if Path(path).is_dir():
             check_artifact(Path(path))
+        elif Path(path).exists():
+            raise FileNotFoundError(f"{path} is a file; a CORE artifact is a folder (config.json + model.safetensors)")
         elif looks_local(str(path)):
             raise FileNotFoundError(
                 f"CORE artifact folder {path} does not exist (expected config.json + model.safetensors)"
@@ -202,9 +204,12 @@ def check_artifact(path: Path) -> None:
             f"{path} is not a CORE artifact folder: no config.json (expected config.json + model.safetensors)"
         )
     try:
-        model_type = json.loads(cfg_file.read_text(encoding="utf-8")).get("model_type")
-    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        stored = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{cfg_file}: unreadable CORE config ({e})") from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"{cfg_file}: not a CORE config (a JSON object), got a {type(stored).__name__}")
+    model_type = stored.get("model_type")
     if model_type != CoreConfig.model_type:
         raise ValueError(
             f"{path} is not a CORE artifact (config.json model_type {model_type!r}, expected 'core_kv'): a base "

@@ -20,8 +20,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        with writing(path):  # a full disk is named as such, with the path
+            write(tmp)
+            os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -2,7 +2,8 @@
 
 ``train.py`` (``out_dir``), ``python -m core_kv.teacher`` (``out_dir``) and ``eval.py`` (``output_dir``) hold
 ``<folder>/.core_kv.lock`` while they write; a second run into the same folder is refused with the owner's pid and
-host instead of interleaving its files with the first one's. The lock is created atomically with its content (a
+host instead of interleaving its files with the first one's, and so is a folder holding another writer's finished
+work (a teacher dataset as a training run's ``out_dir``...: their ``config.yaml``/``report.md`` would collide). The lock is created atomically with its content (a
 hard link of a written temporary file), removed on exit, and a lock whose process is gone (same host: the pid is not
 running, or runs a later process than the one that took it) is stale: it is replaced, with a message.
 """
@@ -19,6 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 LOCK_NAME = ".core_kv.lock"
+# what each writer leaves in its folder: a folder holding another writer's marker is refused (the names collide)
+MARKERS = {
+    "training run": ("run.json", "a CORE training run"),
+    "teacher run": ("manifest.json", "a teacher dataset"),
+    "evaluation": ("results.json", "evaluation results"),
+}
 
 
 class FolderLocked(RuntimeError):
@@ -63,6 +70,12 @@ def acquire(folder: str | os.PathLike, what: str = "run") -> Path:
     """Take ``folder``'s lock (creating the folder) or raise :class:`FolderLocked` naming the owner; returns the lock
     file. A stale lock (its process is gone, on this host) is replaced with a message on stderr."""
     folder = Path(folder)
+    for other, (marker, holds) in MARKERS.items():
+        if other != what and (folder / marker).is_file():
+            raise FolderLocked(
+                f"{folder} holds {holds} ({marker}), whose files ({marker}, config.yaml, report.md, ...) this {what} "
+                "would overwrite: use another folder"
+            )
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     fd, tmp = tempfile.mkstemp(prefix=f"{LOCK_NAME}.", suffix=".tmp", dir=folder)
@@ -93,7 +106,7 @@ def acquire(folder: str | os.PathLike, what: str = "run") -> Path:
                 continue
             raise FolderLocked(
                 f"{folder} is being written by another {owner.get('what', 'run')} (pid {owner.get('pid')} on "
-                f"{owner.get('host')}, since {owner.get('since')}: {owner.get('command', '')!r}); wait for it to "
+                f"{owner.get('host')}, since {owner.get('since')}: {str(owner.get('command', ''))[:100]!r}); wait for it to "
                 f"finish or use another folder" + ("" if here else f"; if that run is gone, delete {path}")
             )
         raise FolderLocked(f"{path}: could not take the lock (it keeps changing); retry")

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (TrainConfig, ["threads=abc"], r"threads: Value 'abc' of type 'str' could not be converted to Integer"),
         (EvalConfig, ["ratios=[0.5,0.5]"], r"^ratios has duplicates: \[0\.5, 0\.5\]$"),
         (EvalConfig, ["ratios=[]"], r"^ratios is empty: methods \[.*\] need at least one compression ratio"),
-        (EvalConfig, ["output_dir=''"], r"^output_dir must be non-empty, got '' \(str\)$"),
+        (EvalConfig, ["output_dir=''"], r"^output_dir must be a folder path \(non-empty\), got '' \(str\)$"),
         (EvalConfig, ["press_options.snapkv=[1,2]"], r"^press_options\.snapkv must be a mapping of snapkv's options"),
         (EvalConfig, ["model.dtype=fp8"], r"^model\.dtype must be one of 'auto'"),
         (EvalConfig, ["cpu_threads=0"], r"^cpu_threads must be >= 1, got 0$"),
@@ -349,3 +349,71 @@ def test_a_full_disk_while_writing_is_named(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="unrelated"):  # plenty of space: the error is not a full disk
         with io.writing(target, "training state"):
             raise RuntimeError("unrelated")
+
+
+# ------------------------------------------------------------------- members of the same classes found by trying
+def test_more_config_inputs_are_named():
+    with pytest.raises(ConfigError, match=r"^invalid config for EvalConfig: press_options: .*a list where a mapping"):
+        load_config(EvalConfig, ["press_options=[1]"])
+    with pytest.raises(ConfigError, match=r"^model\.attn_implementation must be 'eager' for method 'h2o'"):
+        load_config(EvalConfig, ["methods=[h2o]"])  # found at load, not after the model is loaded
+
+
+def test_a_yaml_file_holding_one_value_is_named(tmp_path):
+    path = tmp_path / "scalar.yaml"
+    path.write_text("42\n")
+    with pytest.raises(ConfigError, match=rf"config file {path}: the top level must be a mapping .*single value"):
+        load_config(TrainConfig, [str(path)])
+
+
+def test_numpy_scalars_are_the_numbers_they_hold():
+    import numpy as np
+
+    press = build_press("snapkv", budget=np.int64(64), window_size=np.int32(8))
+    assert press.budget == 64 and type(press.budget) is int and type(press.window_size) is int
+    assert build_press("knorm", compression_ratio=np.float32(0.5)).compression_ratio == 0.5
+
+
+def test_a_file_where_a_folder_is_expected_is_named(tmp_path):
+    from core_kv.core_model import CoreModel
+    from core_kv.models.loading import load_model
+
+    config = ROOT / "checkpoints" / "core-proxy" / "final" / "config.json"
+    with pytest.raises(FileNotFoundError, match=rf"{config} is a file; a CORE artifact is a folder"):
+        CoreModel.from_pretrained(config)
+    with pytest.raises(OSError, match=r"it is a file; a model is a folder"):
+        load_model(str(config))
+    bad = tmp_path / "artifact"
+    shutil.copytree(config.parent, bad)
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=rf"{bad / 'config.json'}: not a CORE config \(a JSON object\), got a list"):
+        CoreModel.from_pretrained(bad)
+
+
+def test_a_folder_holding_another_writers_work_is_refused(tmp_path):
+    """A teacher dataset as a training run's out_dir (or a run folder as eval's output_dir, ...): their config.yaml,
+    report.md and metrics.json would overwrite each other."""
+    from core_kv.lock import FolderLocked, acquire, release
+
+    for marker, other, holds in [
+        ("manifest.json", "training run", "a teacher dataset"),
+        ("run.json", "evaluation", "a CORE training run"),
+        ("results.json", "teacher run", "evaluation results"),
+    ]:
+        folder = tmp_path / marker
+        folder.mkdir()
+        (folder / marker).write_text("{}")
+        with pytest.raises(FolderLocked, match=rf"{folder} holds {holds} \({marker}\), whose files .* this {other}"):
+            acquire(folder, other)
+    release(acquire(tmp_path / "manifest.json", "teacher run"))  # its own kind: fine
+
+
+def test_every_atomic_write_names_a_full_disk(tmp_path, monkeypatch):
+    from core_kv import io
+
+    def full(tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match=rf"the disk is full: cannot write the file {tmp_path / 'x.json'}"):
+        io.atomic_write(tmp_path / "x.json", full)
+    assert list(tmp_path.iterdir()) == []  # no temporary file left

@@ -509,3 +509,11 @@ def test_a_second_evaluation_into_a_folder_being_written_is_refused(data, tmp_pa
         other.wait()
     run_eval(_cfg(data, tmp_path, "methods=[knorm]", "ratios=[0.5]", "plots=false"))  # the owner is gone: stale
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_every_benchmark_is_loaded_before_any_cell_runs(data, tmp_path):
+    """A bad second benchmark (here a missing source) used to fail after the first benchmark's cells had run."""
+    with pytest.raises(FileNotFoundError, match="no JSONL samples at"):
+        run_eval(_cfg(data, tmp_path, "benchmarks=[toy,other]", "datasets.other.kind=jsonl",
+                      f"datasets.other.source={tmp_path / 'missing.jsonl'}"))  # fmt: skip
+    assert not list(tmp_path.glob("toy__*"))

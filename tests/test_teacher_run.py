@@ -307,3 +307,16 @@ def test_a_damaged_manifest_is_named(one_proc, tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ValueError, match=rf"{shard}: unreadable teacher shard"):
         TeacherDataset(out).records()
+
+
+def test_a_given_geometry_of_another_model_is_refused_not_replaced(one_proc, tmp_path):
+    """``geometry_path`` naming another model's geometry was refitted and saved over it."""
+    out, _ = one_proc
+    given = tmp_path / "other_geometry.safetensors"
+    shutil.copy(out / "geometry.safetensors", given)
+    before = given.read_bytes()
+    with pytest.raises(
+        ValueError, match=rf"geometry_path {given} cannot be used for this model .*different base model"
+    ):
+        main([*TINY, f"out_dir={tmp_path / 'new'}", f"geometry_path={given}", "model.seed=1"])
+    assert given.read_bytes() == before

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core_kv.config import ConfigError, check_on_init, non_empty, option
+from core_kv.config import ConfigError, check_on_init, folder, non_empty, option
 from core_kv.memory import WRITE_RULES
 from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
 
@@ -109,7 +109,7 @@ class TrainConfig:
         wandb: Log through ``accelerator.init_trackers``/``log`` (``wandb_mode`` offline works without login).
     """
 
-    out_dir: str = option("runs/core-proxy", check=non_empty)
+    out_dir: str = option("runs/core-proxy", check=folder)
     teacher: TeacherConfig = field(default_factory=_proxy_teacher)
     build_teacher: bool = True
     train_docs: int = option(32, ge=1)

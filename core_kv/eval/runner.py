@@ -35,7 +35,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from core_kv.config import ConfigError, check_on_init, non_empty, option, to_dict
+from core_kv.config import ConfigError, check_on_init, folder, non_empty, option, to_dict
 from core_kv.eval.benchmarks import (
     BENCHMARKS,
     Benchmark,
@@ -46,7 +46,7 @@ from core_kv.eval.benchmarks import (
     get_benchmark,
 )
 from core_kv.eval.schema import Sample, cell_dir, ratio_label
-from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
+from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, writing
 from core_kv.lock import main_process_lock
 from core_kv.models.loading import (
     ATTN_IMPLEMENTATIONS,
@@ -149,7 +149,7 @@ class EvalConfig:
     benchmarks: list[str] = option(factory=lambda: ["ruler", "niah"], check=non_empty)
     datasets: dict[str, BenchmarkConfig] = field(default_factory=_default_datasets)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    output_dir: str = option("results/eval", check=non_empty)
+    output_dir: str = option("results/eval", check=folder)
     seed: int = option(42, ge=0)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     progress: bool = True
@@ -206,10 +206,15 @@ class EvalConfig:
             )
         for m in self.methods:  # every press option, type and range, before anything is loaded
             try:
-                _build_press(self, m, self.ratios[0] if self.ratios else 0.5)
+                press = _build_press(self, m, self.ratios[0] if self.ratios else 0.5)
             except (ValueError, TypeError) as e:
                 where = f"press_options.{m}" if self.press_options.get(m) else f"methods: {m}"
                 raise ConfigError(f"{prefix}{where}: {e}") from None
+            if press.needs_attentions and self.model.attn_implementation != "eager":
+                raise ConfigError(
+                    f"{prefix}model.attn_implementation must be 'eager' for method {m!r} (it scores from attention "
+                    f"weights), got {self.model.attn_implementation!r}"
+                )
 
 
 @dataclass
@@ -300,7 +305,7 @@ def _build_press(cfg: EvalConfig, method: str, ratio: float) -> BasePress:
 def _append_line(path: Path, obj: dict) -> None:
     """Append one JSON line and fsync it, so a crash loses at most the line being written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
+    with writing(path, "partial predictions"), open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(obj, ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -394,6 +399,7 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
 
         cells: list[dict] = []
         files: list[Path] = []
+        benches = []  # every benchmark is loaded and checked (options, context window) before any cell runs
         for entry in cfg.benchmarks:
             bcfg = cfg.datasets[entry]
             bench = get_benchmark(bcfg.kind or entry)
@@ -407,7 +413,9 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
                 )
             groups = group_by_context(samples)
             prep = _prepare(samples, groups, tokenizer, model, cfg.generation, entry)
-            loaded = _Loaded(entry, bcfg, bench, samples, groups, prep)
+            benches.append(_Loaded(entry, bcfg, bench, samples, groups, prep))
+        for loaded in benches:
+            entry, bench = loaded.entry, loaded.bench
             grid = ([(REFERENCE, 0.0)] if cfg.reference else []) + [
                 (m, r) for m in cfg.methods if m != REFERENCE for r in cfg.ratios
             ]

@@ -205,6 +205,9 @@ def load_model(
 
     if Path(name_or_path).is_dir():
         check_model_folder(Path(name_or_path))
+    elif Path(name_or_path).exists():
+        raise OSError(f"cannot load model {name_or_path!r}: it is a file; a model is a folder (config.json, weights, "
+                      "tokenizer files)")  # fmt: skip
     elif looks_local(name_or_path):
         raise OSError(f"cannot load model {name_or_path!r}: no such folder: {name_or_path}")
     kwargs = {"trust_remote_code": trust_remote_code, "revision": revision}
@@ -263,9 +266,12 @@ def check_model_folder(path: Path) -> None:
             "(no config.json); save it with model.save_pretrained() and tokenizer.save_pretrained()"
         )
     try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        stored = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise OSError(f"{config}: unreadable model config ({e})") from None
+    if not isinstance(stored, dict):
+        raise OSError(f"{config}: not a model config (a JSON object), got a {type(stored).__name__}")
+    model_type = stored.get("model_type")
     if model_type == "core_kv":
         raise OSError(
             f"{path} is a CORE artifact, not a base model: load the base model it was trained on, and the artifact "

@@ -11,6 +11,7 @@ Also here: :func:`claim` / :func:`release`, which keep two presses from being in
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import fields
 from typing import Any
 
@@ -20,9 +21,13 @@ _INSTALLED = "_core_kv_press"  # attribute of an attention module: the press who
 
 
 def check_press_options(press: Any) -> None:
-    """Raise ``ValueError`` naming the press and the option when an option's value does not match its annotation."""
+    """Raise ``ValueError`` naming the press and the option when an option's value does not match its annotation
+    (a numpy scalar counts as the Python number it holds, and is stored as one)."""
     hints = field_types(type(press))
     for f in fields(press):
+        value = getattr(press, f.name)
+        if isinstance(value, numbers.Number) and type(value).__module__ == "numpy":  # np.int64(64) is an int
+            setattr(press, f.name, value.item())
         if f.init and f.name in hints:
             try:
                 check_value(getattr(press, f.name), hints[f.name], f.name)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from core_kv.config import ConfigError, check_on_init, load_config, non_empty, option, to_dict
+from core_kv.config import ConfigError, check_on_init, folder, load_config, non_empty, option, to_dict
 from core_kv.io import atomic_write_json, read_jsonl
 
 FULL_MIX = {
@@ -126,8 +126,8 @@ class ProxyTrainConfig:
     """Everything a run depends on; ``configs/proxy/default.yaml`` overrides these defaults."""
 
     mode: str = option("train", choices=("train", "export"))  # train | export
-    out_dir: str = option("runs/proxy", check=non_empty)
-    export_dir: str = option("checkpoints/proxy-lm", check=non_empty)
+    out_dir: str = option("runs/proxy", check=folder)
+    export_dir: str = option("checkpoints/proxy-lm", check=folder)
     seed: int = option(1234, ge=0)  # model init and loss-position sampling
     data_seed: int = option(
         20261129, ge=0, check=_not_ruler_seed

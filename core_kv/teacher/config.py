@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core_kv.config import ConfigError, check_on_init, non_empty, option, parse_layers
+from core_kv.config import ConfigError, check_on_init, folder, non_empty, option, parse_layers
 from core_kv.features import FEATURE_SPECS, OBS_WINDOW, check_version
 from core_kv.models.loading import ATTN_IMPLEMENTATIONS
 from core_kv.proxy.data import TASKS
@@ -129,7 +129,7 @@ class TeacherConfig:
         overwrite: Replace a finished dataset of another config in ``out_dir`` (the only way a run replaces one).
     """
 
-    out_dir: str = option("runs/teacher/default", check=non_empty)
+    out_dir: str = option("runs/teacher/default", check=folder)
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     chunk_size: int = option(512, gt=OBS_WINDOW)  # > the observation window

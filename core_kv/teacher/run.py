@@ -293,7 +293,10 @@ def _run_teacher(cfg: TeacherConfig, state) -> dict:
         if geo_path.is_file():
             try:
                 geometry = Geometry.load(geo_path, fp)
-            except ValueError:  # another model: refit
+            except ValueError as e:  # another model (or unreadable): refit ours; a given geometry_path is not replaced
+                if cfg.geometry_path:
+                    raise ValueError(f"geometry_path {geo_path} cannot be used for this model ({e}); a run never "
+                                     "replaces a given geometry: pass another geometry_path, or none") from None  # fmt: skip
                 geometry = None
             if geometry is not None and not cfg.geometry_path and geometry.calibration != calibration:
                 geometry = None  # fitted under other calibration settings: refit
