@@ -52,13 +52,16 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """Read a JSONL file; a truncated last line (interrupted append) raises a clear error."""
     rows = []
     with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: corrupt JSONL line ({e}); delete the file to regenerate it") from e
+        try:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: corrupt JSONL line ({e}); delete the file to regenerate it") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): not a JSONL file") from None
     return rows
 
 

@@ -517,3 +517,23 @@ def test_every_benchmark_is_loaded_before_any_cell_runs(data, tmp_path):
         run_eval(_cfg(data, tmp_path, "benchmarks=[toy,other]", "datasets.other.kind=jsonl",
                       f"datasets.other.source={tmp_path / 'missing.jsonl'}"))  # fmt: skip
     assert not list(tmp_path.glob("toy__*"))
+
+
+def test_a_finished_cells_damaged_predictions_are_recomputed(clean_run, data, tmp_path):
+    """The report's per-cell figures read predictions.jsonl back: a damaged one is found when the run starts (named,
+    the cell recomputed), not at the end of the run."""
+    import shutil
+
+    clean_out, res = clean_run
+    out = tmp_path / "preds"
+    shutil.copytree(clean_out, out)
+    predictions = cell_dir(out, "toy", "tiny", "knorm", 0.25) / "predictions.jsonl"
+    for damage in (bytes(range(200)), predictions.read_bytes()[:-10], b""):
+        predictions.write_bytes(damage)
+        with pytest.warns(UserWarning, match=rf"{predictions} is unreadable"):
+            again = run_eval(_cfg(data, out))
+        assert again.cells == res.cells
+    assert (
+        predictions.read_bytes()
+        == (cell_dir(clean_out, "toy", "tiny", "knorm", 0.25) / "predictions.jsonl").read_bytes()
+    )

@@ -46,7 +46,7 @@ from core_kv.eval.benchmarks import (
     get_benchmark,
 )
 from core_kv.eval.schema import Sample, cell_dir, ratio_label
-from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, writing
+from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl, writing
 from core_kv.lock import main_process_lock
 from core_kv.models.loading import (
     ATTN_IMPLEMENTATIONS,
@@ -602,7 +602,21 @@ def _check_folder(folder: Path, spec_yaml: str, defaults: dict[str, dict] | None
         if not metrics.exists():
             return "resume"
         spec = OmegaConf.to_container(OmegaConf.create(spec_yaml))
-        if read_metrics(metrics, spec) is None:  # e.g. a disk filled up while it was written: recomputed
+        found = read_metrics(metrics, spec)
+        if found is None:  # e.g. a disk filled up while it was written: recomputed
+            return "resume"
+        predictions = folder / "predictions.jsonl"
+        try:
+            rows = read_jsonl(predictions)
+            problem = (
+                None
+                if len(rows) == found["num_samples"]
+                else f"{len(rows)} rows, metrics.json counts {found['num_samples']}"
+            )
+        except (OSError, ValueError) as e:
+            problem = str(e)
+        if problem:
+            warnings.warn(f"{predictions} is unreadable ({problem}): the cell is recomputed", stacklevel=2)
             return "resume"
         return "finished"
     return "new"
