@@ -417,3 +417,13 @@ def test_every_atomic_write_names_a_full_disk(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=rf"the disk is full: cannot write the file {tmp_path / 'x.json'}"):
         io.atomic_write(tmp_path / "x.json", full)
     assert list(tmp_path.iterdir()) == []  # no temporary file left
+
+
+def test_one_press_on_two_models_at_once_is_refused(llama, qwen3):
+    kn = build_press("knorm", compression_ratio=0.5)
+    with kn(llama):
+        with pytest.raises(ValueError, match="already installed on another model"):
+            with kn(qwen3):
+                pass
+    with kn(qwen3):  # one after the other is fine
+        pass

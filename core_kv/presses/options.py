@@ -18,6 +18,7 @@ from typing import Any
 from core_kv.config import ConfigError, check_value, field_types
 
 _INSTALLED = "_core_kv_press"  # attribute of an attention module: the press whose hooks are on it
+_ACTIVE: set[int] = set()  # ids of the presses installed now (a press's per-layer state serves one model at a time)
 
 
 def check_press_options(press: Any) -> None:
@@ -47,12 +48,19 @@ def claim(press: Any, attention_modules: list) -> None:
                 "a time: exit the other `with press(model):` block first, or compose presses by wrapping them "
                 "(e.g. build_press('twin_repair', press=...), build_press('adakv', press=...))"
             )
+    if id(press) in _ACTIVE:
+        raise ValueError(
+            f"{type(press).__name__}: this press is already installed on another model (its per-layer state serves one "
+            "model at a time): build one press per model"
+        )
     for attn in attention_modules:
         attn.__dict__[_INSTALLED] = press
+    _ACTIVE.add(id(press))
 
 
 def release(press: Any, attention_modules: list) -> None:
     """Undo :func:`claim` (only the marks ``press`` holds)."""
+    _ACTIVE.discard(id(press))
     for attn in attention_modules:
         if attn.__dict__.get(_INSTALLED) is press:
             del attn.__dict__[_INSTALLED]
