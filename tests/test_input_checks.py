@@ -334,7 +334,7 @@ def test_a_second_writer_is_refused_and_a_stale_lock_replaced(tmp_path, capsys):
 
 # --------------------------------------------------------------------------------------------------- a full disk
 def test_a_full_disk_while_writing_is_named(tmp_path, monkeypatch):
-    from core_kv import io
+    from core_kv import files as io
 
     target = tmp_path / "state" / ".tmp-step_000002"
     with pytest.raises(OSError, match=rf"the disk is full: cannot write the training state {target}") as e:
@@ -409,7 +409,7 @@ def test_a_folder_holding_another_writers_work_is_refused(tmp_path):
 
 
 def test_every_atomic_write_names_a_full_disk(tmp_path, monkeypatch):
-    from core_kv import io
+    from core_kv import files as io
 
     def full(tmp):
         raise OSError(errno.ENOSPC, "No space left on device")

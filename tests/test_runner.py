@@ -16,7 +16,7 @@ from core_kv.eval import benchmarks as bm
 from core_kv.eval.benchmarks import EmptyDatasetError, write_samples
 from core_kv.eval.runner import EvalConfig, cell_dir, run_eval
 from core_kv.eval.schema import Sample
-from core_kv.io import read_jsonl
+from core_kv.files import read_jsonl
 from core_kv.models.loading import ContextWindowError
 from core_kv.presses import PRESSES
 

@@ -120,7 +120,7 @@ def test_folder_listing_and_artifact(reference):
 
 def test_artifact_refuses_other_base_model(reference, llama):
     from core_kv.core_model import CoreModel
-    from core_kv.teacher.geometry import FingerprintMismatch
+    from core_kv.geometry import FingerprintMismatch
 
     other = __import__("conftest").tiny_model("llama", seed=3)
     with pytest.raises(FingerprintMismatch, match="k_proj_digest"):
@@ -468,7 +468,7 @@ def test_a_full_disk_while_saving_a_state_is_named_and_the_rerun_resumes(tmp_pat
     disk and the state's path; the half-written state is removed and the relaunch reaches the reference weights."""
     from accelerate import Accelerator
 
-    from core_kv import io
+    from core_kv import files as io
 
     out = tmp_path / "full"
     original, calls = Accelerator.save_state, {"n": 0}

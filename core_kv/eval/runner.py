@@ -46,7 +46,7 @@ from core_kv.eval.benchmarks import (
     get_benchmark,
 )
 from core_kv.eval.schema import Sample, cell_dir, ratio_label
-from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl, writing
+from core_kv.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl, writing
 from core_kv.lock import main_process_lock
 from core_kv.models.loading import (
     ATTN_IMPLEMENTATIONS,
