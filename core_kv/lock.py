@@ -73,8 +73,8 @@ def acquire(folder: str | os.PathLike, what: str = "run") -> Path:
     for other, (marker, holds) in MARKERS.items():
         if other != what and (folder / marker).is_file():
             raise FolderLocked(
-                f"{folder} holds {holds} ({marker}), whose files ({marker}, config.yaml, report.md, ...) this {what} "
-                "would overwrite: use another folder"
+                f"{folder} holds {holds} ({marker}); this {what} would overwrite files it shares names with "
+                "(config.yaml, report.md, metrics.json): use another folder"
             )
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
