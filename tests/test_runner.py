@@ -198,7 +198,7 @@ def test_clear_errors(data, tmp_path):
         run_eval(_cfg(empty, tmp_path, f"datasets.toy.source={empty}"))
     with pytest.raises(ContextWindowError, match="context window is 8192"):
         run_eval(_cfg(data, tmp_path, "datasets.toy.lengths=[100000]"))
-    with pytest.raises(ValueError, match="ratios must be in"):
+    with pytest.raises(ValueError, match=r"ratios\[0\] must be in \(0, 1\)"):
         _cfg(data, tmp_path, "ratios=[1.0]")
 
 
@@ -437,3 +437,103 @@ def test_compress_questions_leaves_question_free_samples_alone():
     assert aware.fed(s).context == s.context + s.question and aware.fed(s).question == ""
     blank = Sample("toy", "lm", s.context, "", "", [], 8, "string_match_all", 256)
     assert aware.fed(blank) is blank
+
+
+def test_a_second_run_with_other_methods_reports_every_finished_cell(clean_run, data, tmp_path):
+    """A second eval.py with other methods into the same output_dir rewrote report.md / results.json with its own
+    rows only; both now cover every finished cell of the folder (the earlier run's are read, not recomputed)."""
+    import shutil
+
+    clean_out, res = clean_run
+    out = tmp_path / "shared"
+    shutil.copytree(clean_out, out)
+    again = run_eval(_cfg(data, out, "methods=[streaming_llm]", "ratios=[0.75]"))
+    got = [(c["method"], c["ratio"]) for c in again.cells]
+    assert got == [("full", 0.0), ("streaming_llm", 0.75), *sorted(CELLS[1:])]
+    stored = json.loads((out / "results.json").read_text())
+    assert [(c["method"], c["ratio"]) for c in stored["cells"]] == got
+    report = (out / "report.md").read_text()
+    for row in ("| full (reference) |", "| knorm |", "| snapkv |", "| streaming_llm |"):
+        assert row in report
+    assert report.count("| knorm | ") == 3  # the grid row and one detail row per ratio
+    assert "| streaming_llm | 0.75 |" in report and "| 0.25 | 0.50 | 0.75 |" in report
+
+
+def test_ratio_labels_round_trip_in_folders_and_report(data, tmp_path):
+    """0.125 was labelled 0.12 (folder and report); 0.75 and 0.7549 shared a folder."""
+    res = run_eval(_cfg(data, tmp_path, "methods=[knorm]", "ratios=[0.125,0.75,0.7549]", "plots=false"))
+    assert sorted(p.name.rsplit("__", 1)[1] for p in tmp_path.glob("toy__*")) == ["0.00", "0.125", "0.75", "0.7549"]
+    assert "| method | 0.125 | 0.75 | 0.7549 |" in res.markdown
+    assert "| knorm | 0.125 |" in res.markdown
+
+
+def test_damaged_results_files_are_named_and_the_cell_recomputed_or_refused(clean_run, data, tmp_path):
+    """``metrics.json = {}`` failed with ``KeyError: 'benchmark'``, a garbage ``config.yaml`` with
+    ``UnicodeDecodeError``; neither named the file."""
+    import shutil
+
+    clean_out, res = clean_run
+    out = tmp_path / "damaged"
+    shutil.copytree(clean_out, out)
+    metrics = cell_dir(out, "toy", "tiny", "snapkv", 0.25) / "metrics.json"
+    for content in ("{}", "[1, 2]", json.dumps({**json.loads(metrics.read_text()), "method": "knorm"})):
+        metrics.write_text(content)
+        with pytest.warns(UserWarning, match=rf"{metrics} is unreadable .* recomputed"):
+            again = run_eval(_cfg(data, out))
+        assert again.cells == res.cells
+    config = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "config.yaml"
+    before = {p: p.read_bytes() for p in config.parent.iterdir()}
+    for garbage in (bytes(range(256)), b"a: [unclosed\n"):
+        config.write_bytes(garbage)
+        with pytest.raises(ValueError, match=rf"{config}: unreadable .*delete {config.parent}"):
+            run_eval(_cfg(data, out))
+        assert (config.parent / "metrics.json").read_bytes() == before[config.parent / "metrics.json"]
+
+
+def test_a_second_evaluation_into_a_folder_being_written_is_refused(data, tmp_path):
+    import subprocess
+    import sys
+
+    from core_kv.lock import LOCK_NAME, FolderLocked
+
+    tmp_path.mkdir(exist_ok=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = {"pid": other.pid, "host": os.uname().nodename, "what": "evaluation", "command": "eval.py"}
+        (tmp_path / LOCK_NAME).write_text(json.dumps(owner))
+        with pytest.raises(FolderLocked, match=rf"being written by another evaluation \(pid {other.pid}"):
+            run_eval(_cfg(data, tmp_path))
+        assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
+    finally:
+        other.kill()
+        other.wait()
+    run_eval(_cfg(data, tmp_path, "methods=[knorm]", "ratios=[0.5]", "plots=false"))  # the owner is gone: stale
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_every_benchmark_is_loaded_before_any_cell_runs(data, tmp_path):
+    """A bad second benchmark (here a missing source) used to fail after the first benchmark's cells had run."""
+    with pytest.raises(FileNotFoundError, match="no JSONL samples at"):
+        run_eval(_cfg(data, tmp_path, "benchmarks=[toy,other]", "datasets.other.kind=jsonl",
+                      f"datasets.other.source={tmp_path / 'missing.jsonl'}"))  # fmt: skip
+    assert not list(tmp_path.glob("toy__*"))
+
+
+def test_a_finished_cells_damaged_predictions_are_recomputed(clean_run, data, tmp_path):
+    """The report's per-cell figures read predictions.jsonl back: a damaged one is found when the run starts (named,
+    the cell recomputed), not at the end of the run."""
+    import shutil
+
+    clean_out, res = clean_run
+    out = tmp_path / "preds"
+    shutil.copytree(clean_out, out)
+    predictions = cell_dir(out, "toy", "tiny", "knorm", 0.25) / "predictions.jsonl"
+    for damage in (bytes(range(200)), predictions.read_bytes()[:-10], b""):
+        predictions.write_bytes(damage)
+        with pytest.warns(UserWarning, match=rf"{predictions} is unreadable"):
+            again = run_eval(_cfg(data, out))
+        assert again.cells == res.cells
+    assert (
+        predictions.read_bytes()
+        == (cell_dir(clean_out, "toy", "tiny", "knorm", 0.25) / "predictions.jsonl").read_bytes()
+    )

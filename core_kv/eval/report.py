@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from core_kv.eval.benchmarks import Benchmark, get_benchmark
+from core_kv.eval.schema import ratio_label
 
 REFERENCE = "full"
 
@@ -94,7 +95,7 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for c in bc:
-            row = [c["method"], f"{c['ratio']:.2f}", *(_fmt(c["tasks"].get(t)) for t in tasks)]
+            row = [c["method"], ratio_label(c["ratio"]), *(_fmt(c["tasks"].get(t)) for t in tasks)]
             row += [*(_fmt(c.get("by_length", {}).get(L)) for L in lengths), _fmt(c["average"])]
             row += [
                 human_bytes(c.get("kv_bytes")),
@@ -111,7 +112,7 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
 def _grid_table(cells: list[dict], ratios: list[float], key: str, digits: int | None = None) -> list[str]:
     """Methods × ratios of ``cell[key]``; the reference row repeats its one value at every ratio."""
     columns = ratios or [0.0]  # a reference-only run has one column
-    lines = ["| method | " + " | ".join(f"{r:.2f}" for r in columns) + " |", "|---|" + "---|" * len(columns)]
+    lines = ["| method | " + " | ".join(ratio_label(r) for r in columns) + " |", "|---|" + "---|" * len(columns)]
     for m in _methods(cells):
         vals = [_lookup(cells, m, r) for r in columns]
         name = f"{m} (reference)" if m == REFERENCE else m
@@ -184,8 +185,8 @@ def benchmark_plots(bench: Benchmark, entry: str, cells: list[dict], out_dir: Pa
         root = Path(out_dir).parent
         for c in cells:
             rows = read_jsonl(cell_dir(root, entry, c["model"], c["method"], c["ratio"]) / "predictions.jsonl")
-            name = f"{entry}__{c['method']}__{c['ratio']:.2f}"
-            files += bench.plots(rows, out_dir, name, f"{c['method']} @ {c['ratio']:.2f} - {label}")
+            name = f"{entry}__{c['method']}__{ratio_label(c['ratio'])}"
+            files += bench.plots(rows, out_dir, name, f"{c['method']} @ {ratio_label(c['ratio'])} - {label}")
     return files
 
 
@@ -193,7 +194,7 @@ def log_to_tracker(accelerator, cells: list[dict], markdown: str, images: list[P
     """Log every cell's metrics, the results table and the PNGs to the accelerator's trackers (main process)."""
     flat = {}
     for c in cells:
-        key = f"{c['benchmark']}/{c['method']}/{c['ratio']:.2f}"
+        key = f"{c['benchmark']}/{c['method']}/{ratio_label(c['ratio'])}"
         flat[f"{key}/average"] = c["average"]
         flat[f"{key}/kv_bytes"] = c.get("kv_bytes")
         flat[f"{key}/aux_bytes"] = c.get("aux_bytes")
