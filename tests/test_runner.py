@@ -102,7 +102,9 @@ def test_smoke_two_presses_two_ratios(clean_run):
     assert by_cell[("knorm", 0.5)][0]["kv_bytes"] < by_cell[("knorm", 0.25)][0]["kv_bytes"] < full_kv
     # reports
     assert (out / "report.md").read_text() == res.markdown
-    for needle in ("tiny random model (not the proxy)", "| full (reference) |", "| snapkv |", "KV payload", "aux"):
+    needles = ["tiny random model (not the proxy)", "| snapkv |", "KV payload", "aux"]
+    needles += ["| full (reference) ⚠ below the floor |", "**Warnings (⚠):**"]  # random weights answer nothing
+    for needle in needles:
         assert needle in res.markdown
     png = out / "plots" / "curves__toy.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -183,6 +185,25 @@ def test_folder_written_before_an_option_existed_is_still_finished(clean_run, da
     cfg_path.write_text(text.replace("  compress_questions: false\n", "").replace("seed: 42", "seed: 41"))
     with pytest.raises(ValueError, match="different configuration"):
         run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]"))
+
+
+def test_folder_decoded_before_the_eos_rule_is_refused_unless_asked_for(clean_run, data, tmp_path):
+    """A cell written before ``generation.min_new_tokens`` existed stopped on a first-token eos (the rule 0): under
+    the default 1 its answers may differ, so it is a different cell; ``min_new_tokens=0`` reuses it."""
+    import shutil
+
+    clean_out, _ = clean_run
+    out = tmp_path / "old"
+    shutil.copytree(clean_out, out)
+    cfg_path = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "config.yaml"
+    text = cfg_path.read_text()
+    assert "  min_new_tokens: 1\n" in text
+    cfg_path.write_text(text.replace("  min_new_tokens: 1\n", ""))
+    with pytest.raises(ValueError, match="different configuration"):
+        run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]"))
+    before = _folder_contents(out)
+    run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]", "generation.min_new_tokens=0", "reference=false"))
+    assert _folder_contents(out) == before  # finished under the rule it was computed with: nothing recomputed
 
 
 def test_clear_errors(data, tmp_path):
@@ -282,6 +303,34 @@ def test_method_labels_and_report_table(data, tmp_path):
     assert "| full (reference) | 90.00 | 90.00 |" in md
     assert "| core | 80.00 | 60.50 |" in md
     assert "| core | 0.50 | 80.00 | 80.00 | 80.00 | 1.0 KiB | 3.0 KiB | 100 |" in md
+
+
+def test_report_flags_a_full_cache_reference_below_the_floor():
+    """Compression cannot be ranked where the uncompressed model fails (issue 47: SmolLM2's NIAH full cache at 0 and
+    KeyDiff at 66.7): the benchmark's table and the report's head warn, and low tasks are marked in their column."""
+    from core_kv.eval.report import markdown_report, reference_warnings
+
+    def cell(bench, method, ratio, tasks, unit="score (0-100)", hib=True):
+        avg = sum(tasks.values()) / len(tasks)
+        return {"benchmark": bench, "method": method, "ratio": ratio, "average": avg, "tasks": tasks, "kv_bytes": 1.0,
+                "aux_bytes": 0, "context_tokens": 10.0, "num_samples": 2, "num_contexts": 1, "average_label": "mean",
+                "higher_is_better": hib, "unit": unit, "kind": "jsonl"}  # fmt: skip
+
+    cells = [
+        cell("niah", "full", 0.0, {"niah": 0.0}), cell("niah", "keydiff", 0.75, {"niah": 66.7}),
+        cell("ruler", "full", 0.0, {"a": 100.0, "b": 20.0}), cell("ruler", "snapkv", 0.75, {"a": 50.0, "b": 30.0}),
+        cell("fid", "full", 0.0, {"f": 0.0}, unit="KL", hib=False), cell("fid", "knorm", 0.5, {"f": 0.3}, "KL", False),
+    ]  # fmt: skip
+    warns = reference_warnings(cells, 40.0)
+    assert sorted(warns) == ["niah", "ruler"]  # the KL benchmark is never flagged
+    assert "scores 0.00 < 40" in warns["niah"][0] and len(warns["niah"]) == 1
+    assert warns["ruler"] == ["ruler: tasks whose full-cache score is below 40 cannot rank methods: b 20.00"]
+    md = markdown_report(cells, "m")
+    assert md.index("**Warnings") < md.index("## niah")
+    assert "| full (reference) ⚠ below the floor | 0.00 |" in md
+    assert "| full (reference) | 60.00 |" in md  # ruler's average passes; only its task b is marked
+    assert "| method | ratio | a | b ⚠ | average |" in md
+    assert reference_warnings(cells, 0.0) == {}
 
 
 def test_press_options_of_methods_not_in_the_run_are_dropped_with_a_warning():

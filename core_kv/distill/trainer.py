@@ -50,7 +50,7 @@ from core_kv.distill.context import RunContext
 from core_kv.distill.evaluate import evaluate
 from core_kv.distill.loop import Interrupted
 from core_kv.distill.replay import ReplaySpec
-from core_kv.distill.report import distill_report_markdown, format_summary
+from core_kv.distill.report import distill_report_markdown, format_summary, next_steps
 from core_kv.distill.stages import calibrate, train_indexer, train_memory
 from core_kv.distill.timing import timing
 from core_kv.files import atomic_write_json, atomic_write_text
@@ -257,6 +257,7 @@ def train(cfg) -> dict:
                 summary = json.loads((tr.out / "summary.json").read_text())
                 tr.print(f"{final} exists for this base model and config (overwrite=true to retrain)")
                 tr.print(format_summary(summary))
+                tr.print(_next_steps(cfg, final))
                 return summary
         if final.exists() and not same_run and not cfg.overwrite:
             raise ValueError(
@@ -300,9 +301,17 @@ def train(cfg) -> dict:
         }
         tr.save_final(summary)
         tr.print(format_summary(summary))
+        tr.print(_next_steps(cfg, final))
         return summary
     finally:
         tr.close()
+
+
+def _next_steps(cfg, final: Path) -> str:
+    """The artifact, the report and the commands that load and evaluate it (the last lines a run prints)."""
+    spec = cfg.teacher.model
+    model = "<the base model (random_init: build it as teacher.model describes)>" if spec.random_init else spec.path
+    return next_steps(model, str(final), cfg.out_dir)
 
 
 def _read_run_key(path: Path) -> dict | None:
