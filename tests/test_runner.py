@@ -333,6 +333,21 @@ def test_report_flags_a_full_cache_reference_below_the_floor():
     assert reference_warnings(cells, 0.0) == {}
 
 
+def test_tied_points_are_drawn_side_by_side_and_others_stay_put():
+    """Markers at equal values hid each other (issue 47): ties get distinct offsets, centred, at most ``spread`` wide."""
+    from core_kv.eval.report import MARKERS, dodge
+
+    series = {"a": [(0.5, 20.0), (0.75, 10.0)], "b": [(0.5, 20.0), (0.75, 0.0)], "c": [(0.5, 20.0), (0.75, 5.0)]}
+    off = dodge(series, step=0.02, spread=0.1)
+    assert [off[(m, 0.5)] for m in "abc"] == pytest.approx([-0.02, 0.0, 0.02])
+    assert all(off[(m, 0.75)] == 0.0 for m in "abc")
+    many = {str(i): [(0.9, 0.0)] for i in range(26)}
+    wide = dodge(many, step=0.02, spread=0.1)
+    xs = sorted(wide.values())
+    assert len(set(xs)) == 26 and xs[-1] - xs[0] == pytest.approx(0.1) and sum(xs) == pytest.approx(0.0)
+    assert len(set(MARKERS)) == len(MARKERS) >= 10
+
+
 def test_press_options_of_methods_not_in_the_run_are_dropped_with_a_warning():
     """A shipped grid config narrowed on the command line (methods=[snapkv]) keeps working."""
     with pytest.warns(UserWarning, match=r"ignored: \['core'\]"):
