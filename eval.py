@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"report: {results.output_dir / 'report.md'} (tables; every cell's numbers in results.json)")
         plots = [f for f in results.files if f.suffix == ".png"]
         if plots:
-            print(f"plots:  {plots[0].parent}/ ({len(plots)} PNGs: {', '.join(p.name for p in plots[:4])}"
+            print(f"plots:  {plots[0].parent}/ ({len(plots)} PNG{'s' * (len(plots) > 1)}: {', '.join(p.name for p in plots[:4])}"
                   + (", ..." if len(plots) > 4 else "") + ")")  # fmt: skip
 
 

@@ -348,6 +348,20 @@ def test_tied_points_are_drawn_side_by_side_and_others_stay_put():
     assert len(set(MARKERS)) == len(MARKERS) >= 10
 
 
+def test_eval_py_output_ends_with_its_warnings_then_the_report_and_plots(data, tmp_path, capsys, monkeypatch):
+    """The last lines of ``python eval.py`` say where the report and the plots went, after the floor warnings."""
+    import runpy
+
+    out = tmp_path / "cli"
+    monkeypatch.setattr(sys, "argv", ["eval.py", *_argv(data, out, "methods=[knorm]", "ratios=[0.5]")])
+    runpy.run_path(str(ROOT / "eval.py"), run_name="__main__")
+    tail = capsys.readouterr().out.rstrip().splitlines()[-3:]
+    assert tail[0].startswith("⚠ toy: the full cache (no compression) scores")  # the tiny model answers nothing
+    assert tail[1] == f"report: {out / 'report.md'} (tables; every cell's numbers in results.json)"
+    assert tail[2].startswith(f"plots:  {out / 'plots'}/ (1 PNG: curves__toy.png)")
+    assert (out / "report.md").is_file() and (out / "plots" / "curves__toy.png").is_file()
+
+
 def test_press_options_of_methods_not_in_the_run_are_dropped_with_a_warning():
     """A shipped grid config narrowed on the command line (methods=[snapkv]) keeps working."""
     with pytest.warns(UserWarning, match=r"ignored: \['core'\]"):
