@@ -459,7 +459,7 @@ def test_next_commands_load_and_parse_for_a_real_artifact():
     res = subprocess.run([sys.executable, "-c", argv[2]], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "'answers': [" in res.stdout and "'kv_bytes'" in res.stdout
+    assert res.stdout.startswith("['") and "KV bytes kept:" in res.stdout and "CORE memory bytes:" in res.stdout
     make = shlex.split(evaluate)
     assert make[:2] == ["make", "eval"] and make[2].startswith("ARGS=")
     cfg = load_config(EvalConfig, shlex.split(make[2].removeprefix("ARGS=")))

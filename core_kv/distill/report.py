@@ -51,7 +51,8 @@ def next_steps(model: str, artifact: str, out_dir: str) -> str:
         f"from core_kv.pipeline import answer_questions; model, tok = load_model('{model}'); "
         f"press = build_press('core', checkpoint='{artifact}', compression_ratio=0.75); "
         "ctx = 'The grass is green. ' * 150 + 'The secret code is 4242. ' + 'The sky is blue. ' * 150; "
-        "print(answer_questions(model, tok, ctx, ['What is the secret code?'], press=press, max_new_tokens=16))\""
+        "out = answer_questions(model, tok, ctx, ['What is the secret code?'], press=press, max_new_tokens=16); "
+        "print(out['answers'], 'KV bytes kept:', out['kv_bytes']['total'], 'CORE memory bytes:', out['aux_bytes'])\""
     )
     evaluate = (
         f'make eval ARGS="model.name={model} methods=[core,keydiff,snapkv,streaming_llm] '
