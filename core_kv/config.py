@@ -5,7 +5,7 @@ Example::
     cfg = load_config(EvalConfig, ["configs/eval/ruler.yaml", "methods=[snapkv,knorm]", "ratios=[0.5]"])
 
 ``--help``/``-h`` among the arguments prints the entry point's usage and every field of the config tree (dotted name,
-type, default, the one-line doc from the dataclass's ``Args:`` section or the field's comment) and exits 0.
+type, default, the whole doc from the dataclass's ``Args:`` section or the field's comment) and exits 0.
 
 Every option is checked when the config loads, by one rule (:func:`check_config`): its value against the field's
 annotation (a finite number for ``float``, an integer for ``int``, ``true``/``false`` for ``bool``, lists and dicts item
@@ -25,6 +25,7 @@ import numbers
 import os
 import re
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Callable
@@ -360,8 +361,9 @@ def _plural(ann: Any) -> str:
     return text
 
 
-def config_help(schema: type, usage: str | None = None) -> str:
-    """``usage`` plus one line per field of ``schema``'s tree: ``dotted.name  type  = default  doc``."""
+def config_help(schema: type, usage: str | None = None, width: int = 118) -> str:
+    """``usage`` plus every field of ``schema``'s tree: a line ``dotted.name  type  = default`` and below it the field's
+    whole doc (its ``Args:`` entry, or its trailing ``# comment``), wrapped at ``width`` columns, never cut."""
     head = (usage or schema.__doc__ or schema.__name__).strip()
     if not head.lower().startswith("usage"):
         head = "usage: " + head
@@ -369,7 +371,27 @@ def config_help(schema: type, usage: str | None = None) -> str:
     _field_rows(schema, schema(), "", rows)
     wn, wt = max(len(r[0]) for r in rows), min(max(len(r[1]) for r in rows), 28)
     lines = [head, "", f"options ({schema.__name__}: YAML files and a.b=v overrides; nested fields by dotted name):"]
-    lines += [f"  {n:<{wn}}  {t:<{wt}}  = {d}" + (f"  {doc}" if doc else "") for n, t, d, doc in rows]
+    for n, t, d, doc in rows:
+        lines.append(f"  {n:<{wn}}  {t:<{wt}}  = {d}")
+        lines += textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else []
+    return "\n".join(lines)
+
+
+def shipped_configs(folder: str | Path, root: str | Path | None = None) -> str:
+    """One line per YAML file of ``folder``: its path (relative to ``root``) and the first sentence of its leading
+    comment, for an entry point's ``--help``."""
+    folder = Path(folder)
+    lines = []
+    for path in sorted(folder.glob("*.yaml")):
+        comment = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            text = line[1:].removeprefix(" ")
+            if not line.startswith("#") or not text.strip() or text[0].isspace():
+                break  # the description ends at code, a blank comment or an indented (command, arithmetic) line
+            comment.append(text.strip())
+        first = re.split(r"(?<=\.)\s", " ".join(comment), maxsplit=1)[0]  # the first sentence, whole
+        lines.append(f"  {path.relative_to(root) if root is not None else path}")
+        lines += textwrap.wrap(first, 116, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
 
 
@@ -387,7 +409,7 @@ def _field_rows(cls: type, value: Any, prefix: str, rows: list) -> None:
             rows.append((name, t.__name__, "{...}", docs.get(f.name, _first_line(t.__doc__))))
             _field_rows(t, v, name + ".", rows)
             continue
-        rows.append((name, _type_name(t), _short(v), docs.get(f.name, "")))
+        rows.append((name, _type_name(t), _show(v), docs.get(f.name, "")))
         inner = typing.get_args(t)
         if typing.get_origin(t) is dict and len(inner) == 2 and dataclasses.is_dataclass(inner[1]):
             for key, item in (v or {}).items():  # e.g. EvalConfig.datasets: its default entries, field by field
@@ -401,40 +423,58 @@ def _type_name(t: Any) -> str:
     return re.sub(r"\b(typing|builtins|core_kv)\.([\w.]*\.)?", "", str(t)).replace("NoneType", "None")
 
 
-def _short(v: Any, width: int = 60) -> str:
+def _show(v: Any) -> str:
+    """The default as written on the command line would read it back (whole, however long)."""
     if dataclasses.is_dataclass(v):
         v = to_dict(v)
     elif isinstance(v, dict):
         v = {k: to_dict(x) if dataclasses.is_dataclass(x) else x for k, x in v.items()}
-    text = repr(v)
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return repr(v)
 
 
 def _first_line(doc: str | None) -> str:
-    return (doc or "").strip().split("\n")[0]
+    """A class docstring's first paragraph, as one line."""
+    return " ".join(inspect.cleandoc(doc or "").split("\n\n")[0].split())
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """One-line docs per field: the Google-style ``Args:`` entry of the class docstring (``a / b:`` and ``a, b:``
-    name several fields), else the field's trailing ``# comment`` in the source."""
+    """Whole docs per field: the Google-style ``Args:`` entry of the class docstring with its continuation lines
+    (``a / b:`` and ``a, b:`` name several fields), else the field's comment in the source (the ``#`` lines just
+    above it, then its trailing ``# comment``)."""
     docs: dict[str, str] = {}
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):
         source = ""
-    for m in re.finditer(r"^\s+(\w+)\s*:[^=\n]+=[^#\n]*#\s*(.+)$", source, re.M):
-        comment = m.group(2).strip()
-        if not comment.startswith(("fmt:", "noqa", "type:")):
-            docs[m.group(1)] = comment
+    block: list[str] = []  # the comment lines just above a field
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            block.append(stripped.lstrip("#").strip())
+            continue
+        m = re.match(r"^\s+(\w+)\s*:[^=]+=[^#]*(?:#\s*(.+))?$", line)
+        if m:
+            trailing = (m.group(2) or "").strip()
+            if trailing.startswith(("fmt:", "noqa", "type:")):
+                trailing = ""
+            text = " ".join([*block, trailing]).strip()
+            if text:
+                docs[m.group(1)] = text
+        block = []
     lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
     if "Args:" in lines:
+        names: list[str] = []
         for line in lines[lines.index("Args:") + 1 :]:
             if line and not line.startswith(" "):
                 break  # the next section
             m = re.match(r"^    ([\w ,/]+):\s*(.*)$", line)
             if m:
-                for n in re.split(r"[,/]", m.group(1)):
-                    docs[n.strip()] = m.group(2)  # the entry's first line
+                names = [n.strip() for n in re.split(r"[,/]", m.group(1))]
+                for n in names:
+                    docs[n] = m.group(2).strip()
+            elif line.startswith("     ") and names:  # a continuation line of the current entry
+                for n in names:
+                    docs[n] = f"{docs[n]} {line.strip()}"
     return docs
 
 

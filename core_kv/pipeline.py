@@ -2,7 +2,7 @@
 
 The context is prefilled under the press (compressed once); each ``question + question_suffix + answer_prefix``
 is fed on top of the compressed cache with positions continuing from the *original* context length, then decoded
-greedily up to ``max_new_tokens`` or EOS; the question and answer are trimmed from the cache afterwards, so all
+greedily up to ``max_new_tokens`` or EOS (never on the first token: :func:`greedy_answer`); the question and answer are trimmed from the cache afterwards, so all
 questions of a context share one compression. Without a chat template the context gets a leading BOS and the
 question suffix is ``"\\n"``; with one, the user turn is split at a separator exactly as kvpress does.
 
@@ -120,11 +120,15 @@ def greedy_answer(
     eos_token_ids: list[int] | None = None,
     trim: bool = True,
     stop_token_ids: list[int] | None = None,
+    min_new_tokens: int = 1,
 ) -> list[int]:
     """Feed ``question_ids`` on top of ``cache`` at positions ``context_length...`` and decode greedily.
 
     Decoding ends at an eos token, or at a ``stop_token_ids`` token once at least one token was generated (neither
-    is returned).
+    is returned). The first ``min_new_tokens`` tokens are never eos: eos is excluded from their argmax
+    (transformers' ``min_new_tokens``). The default 1 is the harness's eos protocol (``docs/evaluation.md``): an
+    instruct model that closes its turn at once (SmolLM2 after NIAH's ``Answer:``) answers with its best non-eos
+    token instead of the empty answer; kvpress never checks the first token and decodes past the eos instead.
 
     The press stays installed (ragged attention, decode-time eviction, memory readout) but does not compress
     the question unless it has ``decoding=True``. With ``trim`` the cache is restored to its pre-question size.
@@ -143,7 +147,12 @@ def greedy_answer(
             position_ids = torch.arange(pos, pos + ids.shape[1], device=device)[None]
             out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{key: cache})
             pos += ids.shape[1]
-            token = int(out.logits[0, -1].argmax())
+            logits = out.logits[0, -1]
+            banned = [t for t in sorted(eos) if t < logits.shape[-1]] if len(generated) < min_new_tokens else []
+            if banned:  # the answer may not end before min_new_tokens (an eos id outside the vocabulary never wins)
+                logits = logits.clone()
+                logits[banned] = float("-inf")
+            token = int(logits.argmax())
             if token in eos or (generated and token in stop):
                 break
             generated.append(token)
@@ -245,10 +254,12 @@ def answer_questions(
     use_chat_template: bool | None = None,
     max_context_length: int | None = None,
     stop_at_newline: bool = False,
+    min_new_tokens: int = 1,
 ) -> dict:
     """Compress ``context`` once and answer every question on that cache.
 
-    ``stop_at_newline`` ends each answer before the first token after the first one whose text contains a newline.
+    ``stop_at_newline`` ends each answer before the first token after the first one whose text contains a newline;
+    ``min_new_tokens`` tokens are generated before eos may end an answer (:func:`greedy_answer`).
     Returns ``{"answers": [str], "context_length": N, "kv_bytes": {...}, "aux_bytes": int}``.
 
     Raises:
@@ -273,6 +284,8 @@ def answer_questions(
             if i == 0:
                 payload = kv_bytes(cache)
                 aux = press.aux_bytes() if press is not None else 0
-        tokens = greedy_answer(model, cache, n, q_ids, budget, press, stop_token_ids=stop)
+        tokens = greedy_answer(
+            model, cache, n, q_ids, budget, press, stop_token_ids=stop, min_new_tokens=min_new_tokens
+        )
         answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
     return {"answers": answers, "context_length": n, "kv_bytes": payload, "aux_bytes": aux}

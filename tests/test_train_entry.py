@@ -468,3 +468,48 @@ def test_a_full_disk_while_saving_a_state_is_named_and_the_rerun_resumes(tmp_pat
     monkeypatch.undo()
     run(tiny_args(out, teacher_dir))
     assert_same(weights(out), weights(reference))
+
+
+def test_a_run_ends_with_its_artifact_the_symbols_and_the_next_commands(teacher_dir, reference, capsys):
+    """The console explains each symbol once and ends with the artifact, the report and two commands (issue 47)."""
+    from core_kv.distill.report import SYMBOLS
+
+    capsys.readouterr()
+    run(tiny_args(reference, teacher_dir))  # finished: prints and returns
+    out = capsys.readouterr().out
+    for symbol, _ in SYMBOLS:
+        assert f"    {symbol}: " in out
+    assert out.index("what the numbers mean") < out.index("Table 7")  # explained before first use
+    tail = out.rstrip().splitlines()[-6:]
+    assert tail[0] == f"artifact: {reference / 'final'}   report: {reference / 'report.md'}" and tail[1] == "next:"
+    assert "load it" in tail[2] and f"checkpoint='{reference / 'final'}'" in tail[3]
+    assert "evaluate it" in tail[4] and tail[5].strip().startswith("make eval ARGS=")
+    assert f"press_options.core.checkpoint={reference / 'final'}" in tail[5]
+    assert "Symbols" in (reference / "report.md").read_text()
+
+
+def test_next_commands_load_and_parse_for_a_real_artifact():
+    """The two printed commands work for the shipped proxy artifact: the load command answers with CORE, and the
+    evaluation's arguments are a valid eval.py config."""
+    import shlex
+    import subprocess
+    import sys
+
+    from core_kv.config import load_config
+    from core_kv.distill.report import next_steps
+    from core_kv.eval.runner import EvalConfig
+
+    text = next_steps("checkpoints/proxy-lm", "checkpoints/core-proxy/final", "runs/core-proxy")
+    lines = text.splitlines()
+    load, evaluate = lines[3].strip(), lines[5].strip()
+    argv = shlex.split(load)
+    assert argv[:2] == [".venv/bin/python", "-c"]
+    res = subprocess.run([sys.executable, "-c", argv[2]], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("['") and "KV bytes kept:" in res.stdout and "CORE memory bytes:" in res.stdout
+    make = shlex.split(evaluate)
+    assert make[:2] == ["make", "eval"] and make[2].startswith("ARGS=")
+    cfg = load_config(EvalConfig, shlex.split(make[2].removeprefix("ARGS=")))
+    assert cfg.methods[0] == "core" and cfg.press_options["core"]["checkpoint"] == "checkpoints/core-proxy/final"
+    assert cfg.model.name == "checkpoints/proxy-lm" and cfg.benchmarks == ["ruler"]

@@ -37,7 +37,16 @@ def _proxy_teacher() -> TeacherConfig:
 class IndexerStage:
     """Stage 2: distillation. ``warmup_steps`` on the teacher dataset's records (teacher-forced candidates: the
     full cache at each event), then ``steps`` on-policy steps replaying documents with the student's own retained
-    sets (CORE.md stage 2)."""
+    sets (CORE.md stage 2).
+
+    Args:
+        warmup_steps: optimizer steps on teacher records (cheap: no base-model forward).
+        steps: on-policy optimizer steps, each replaying ``micro_batch × grad_accum`` documents through the frozen
+            base model with the student's own evictions and the teacher solved on them (the expensive part).
+        lr / weight_decay: AdamW learning rate and weight decay of the indexer.
+        warmup_lr_steps: linear learning-rate warm-up steps.
+        grad_clip: gradient-norm clip.
+    """
 
     warmup_steps: int = option(300, ge=0)
     records_per_micro: int = option(16, ge=1)  # teacher records (event × layer) per micro-batch in the warm-up
@@ -56,7 +65,13 @@ class IndexerStage:
 @dataclass
 class CalibrationStage:
     """Stage 3: one temperature per layer on held-out documents (golden-section on log T); how many documents is
-    :attr:`TrainConfig.calib_docs`."""
+    :attr:`TrainConfig.calib_docs`.
+
+    Args:
+        log_t_min / log_t_max: the search interval of log T (T = the softmax temperature that makes the estimated
+            evicted mass ε̂ match the true evicted attention mass α).
+        grid: points of the log T grid scanned before the golden-section refinement.
+    """
 
     log_t_min: float = -4.0
     log_t_max: float = 4.0
@@ -71,7 +86,15 @@ class CalibrationStage:
 
 @dataclass
 class MemoryStage:
-    """Stage 4: ``W_φ`` and the gate, base model / indexer / temperatures frozen."""
+    """Stage 4: ``W_φ`` and the gate, base model / indexer / temperatures frozen.
+
+    Args:
+        steps: optimizer steps, each replaying ``micro_batch × grad_accum`` documents with real evictions and memory
+            writes.
+        lr / weight_decay: AdamW learning rate and weight decay of ``W_φ``.
+        warmup_lr_steps: linear learning-rate warm-up steps.
+        grad_clip: gradient-norm clip.
+    """
 
     steps: int = option(64, ge=0)
     lr: float = option(2.0e-3, gt=0)
@@ -94,6 +117,8 @@ class TrainConfig:
             is a deliberate ``out_dir=checkpoints/<name>``. A folder holding a finished artifact of another config is
             refused unless ``overwrite``.
         teacher: The teacher run to reuse (or build, when ``build_teacher``) — its model is the base model.
+        build_teacher: Build the teacher dataset when ``teacher.out_dir`` holds none for this model and these teacher
+            options (false: refuse instead).
         train_docs: Pool of on-policy documents (indices 0.., cycled).
         calib_docs / eval_docs: Held-out documents (disjoint index ranges) for calibration and the final report.
         ratios: Compression ratios cycled over training documents (position j gets ``ratios[j % len]``).
@@ -107,7 +132,13 @@ class TrainConfig:
             interruption would (a resumable checkpoint is saved first).
         overwrite: Retrain from scratch: delete the folder's stages, states and ``final/`` first (the only way a run
             replaces a finished artifact).
+        seed: the run's random seed (indexer and memory initialisation, sampling).
+        keep_last: resumable checkpoints kept (older ones are deleted).
         wandb: Log through ``accelerator.init_trackers``/``log`` (``wandb_mode`` offline works without login).
+        wandb_project: W&B project name.
+        wandb_mode: ``offline`` (no login; ``wandb sync`` later), ``online`` or ``disabled``.
+        progress: show progress bars.
+        threads: torch intra-op threads per process (0 = leave torch's setting; 1 is fastest on a shared CPU).
         policy: The last stage: the inference policy chosen on the pipeline's own validation prompts and recorded in
             the artifact (:class:`~core_kv.policy.PolicyStageConfig`; ``policy.enabled=false`` skips it).
     """

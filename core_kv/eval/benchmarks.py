@@ -78,6 +78,10 @@ class GenerationConfig:
             appended to its context and compressed with it, and only the question suffix and answer prefix are fed
             after the compression. Every sample becomes its own context (one prefill per question). Off by default:
             the question-agnostic protocol, the question fed on top of the compressed context.
+        min_new_tokens: tokens generated before an eos token may end an answer; eos is excluded from their argmax
+            (transformers' ``min_new_tokens``). 1, the harness's eos protocol (``docs/evaluation.md``): an answer is
+            never empty because the model closed its turn at once. 0 stops on a first-token eos (the rule before
+            this option existed; results folders without it in their ``config.yaml`` were computed so).
     """
 
     max_new_tokens: int | None = option(None, ge=1)
@@ -86,6 +90,7 @@ class GenerationConfig:
     max_context_length: int | None = option(None, ge=1)
     stop_at_newline: bool = False
     compress_questions: bool = False
+    min_new_tokens: int = option(1, ge=0)
 
     def __post_init__(self):
         check_on_init(self)
@@ -168,6 +173,7 @@ class Benchmark:
             use_chat_template=gen.use_chat_template,
             max_context_length=gen.max_context_length,
             stop_at_newline=gen.stop_at_newline,
+            min_new_tokens=gen.min_new_tokens,
         )
         return [
             {

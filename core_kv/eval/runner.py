@@ -45,6 +45,7 @@ from core_kv.eval.benchmarks import (
     GroupJob,
     get_benchmark,
 )
+from core_kv.eval.report import REFERENCE_FLOOR
 from core_kv.eval.schema import Sample, cell_dir, ratio_label
 from core_kv.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl, writing
 from core_kv.lock import main_process_lock
@@ -115,6 +116,16 @@ def _default_datasets() -> dict[str, BenchmarkConfig]:
     }
 
 
+DEFAULT_CORE_CHECKPOINT = "checkpoints/core-smollm2/final"
+"""The shipped CORE artifact of the default suite's model (SmolLM2-135M-Instruct)."""
+
+
+def _default_press_options() -> dict[str, Any]:
+    # CORE needs its trained artifact; this one fits the default model, SmolLM2 (another model: pass
+    # press_options.core.checkpoint=<its artifact>, or leave core out of methods)
+    return {"core": {"checkpoint": DEFAULT_CORE_CHECKPOINT}}
+
+
 @dataclass
 class EvalConfig:
     """One evaluation: a model, methods × ratios, benchmarks. Defaults are the small offline suite.
@@ -136,6 +147,8 @@ class EvalConfig:
         tracker: experiment tracking (off by default).
         progress: show progress bars.
         plots: write compression-curve PNGs (and NIAH heat maps).
+        reference_floor: a benchmark or task whose full-cache reference scores below this (0-100 scores) cannot rank
+            compression methods: the table and the report flag it with ⚠ and a warning; ``null`` turns the check off.
         cpu_threads: torch intra-op threads for this run (restored afterwards); ``null`` keeps torch's setting.
             Default 1: for the small models of CPU runs on a shared machine, 1 thread measured 40x faster than 2
             contending ones (157 s vs 4 s per RULER cell); raise it for a big model on an idle many-core CPU. GPU
@@ -143,10 +156,10 @@ class EvalConfig:
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    methods: list[str] = field(default_factory=lambda: ["keydiff", "snapkv", "streaming_llm", "knorm"])
+    methods: list[str] = field(default_factory=lambda: ["core", "keydiff", "snapkv", "streaming_llm", "knorm"])
     ratios: list[float] = option(factory=lambda: [0.75], gt=0, lt=1)
     reference: bool = True
-    press_options: dict[str, Any] = field(default_factory=dict)
+    press_options: dict[str, Any] = field(default_factory=_default_press_options)
     benchmarks: list[str] = option(factory=lambda: ["ruler", "niah"], check=non_empty)
     datasets: dict[str, BenchmarkConfig] = field(default_factory=_default_datasets)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -155,6 +168,7 @@ class EvalConfig:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     progress: bool = True
     plots: bool = True
+    reference_floor: float | None = option(REFERENCE_FLOOR, ge=0)
     cpu_threads: int | None = option(1, ge=1)
 
     def __post_init__(self):
@@ -196,8 +210,10 @@ class EvalConfig:
                     f"{prefix}benchmarks: unknown benchmark {kind!r}; registered: {', '.join(sorted(BENCHMARKS))}"
                 )
         unknown_opts = set(self.press_options) - set(self.methods) - {REFERENCE}
-        if unknown_opts:  # e.g. a shipped config narrowed with methods=[...] on the command line
-            warnings.warn(f"press_options for methods not in the run are ignored: {sorted(unknown_opts)}", stacklevel=2)
+        named = unknown_opts - {k for k, v in _default_press_options().items() if self.press_options.get(k) == v}
+        if named:  # e.g. a shipped config narrowed with methods=[...] on the command line (the defaults go silently)
+            warnings.warn(f"press_options for methods not in the run are ignored: {sorted(named)}", stacklevel=2)
+        if unknown_opts:
             self.press_options = {k: v for k, v in self.press_options.items() if k not in unknown_opts}
         if not self.methods and not self.reference:
             raise ConfigError(f"{prefix}methods: nothing to run: no methods and reference=false")
@@ -227,12 +243,14 @@ class EvalResults:
         markdown: the report table.
         output_dir: results root.
         files: report files written (markdown, PNGs, results.json).
+        warnings: the report's warnings (a full-cache reference below ``reference_floor``).
     """
 
     cells: list[dict]
     markdown: str
     output_dir: Path
     files: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------------- naming, spec
@@ -389,8 +407,12 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
     try:
         locked.enter_context(main_process_lock(out_root, "evaluation", acc))  # one writer per results folder
         if cfg.tracker.name != "none":
-            run_name = {"wandb": {"name": cfg.tracker.run_name}} if cfg.tracker.run_name else {}
-            acc.init_trackers(cfg.tracker.project, config=to_dict(cfg), init_kwargs=run_name)
+            # mode and dir passed explicitly: wandb caches its settings process-wide at first use, so an earlier run
+            # in the same process (a training run, a test) would otherwise decide where this one goes
+            kwargs = {"name": cfg.tracker.run_name} if cfg.tracker.run_name else {}
+            if cfg.tracker.name == "wandb":
+                kwargs.update(mode=os.environ.get("WANDB_MODE", cfg.tracker.mode), dir=os.environ["WANDB_DIR"])
+            acc.init_trackers(cfg.tracker.project, config=to_dict(cfg), init_kwargs={cfg.tracker.name: kwargs})
         model, tokenizer = load_model(
             name,
             dtype=cfg.model.dtype,
@@ -438,7 +460,7 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
             if main:  # an earlier run's finished cells in this folder are reported too
                 bench_cells += _other_cells(out_root, entry, name, bench_cells)
             if main and cfg.plots:
-                files += report.benchmark_plots(bench, entry, bench_cells, out_root / "plots")
+                files += report.benchmark_plots(bench, entry, bench_cells, out_root / "plots", cfg.reference_floor)
             cells += bench_cells
 
         markdown, results = "", EvalResults([], "", out_root)
@@ -453,7 +475,11 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
             files.append(atomic_write_json(out_root / "results.json", {"model": label, "cells": cells}))
             if cfg.tracker.name != "none":
                 report.log_to_tracker(acc, cells, markdown, [f for f in files if f.suffix == ".png"])
-            results = EvalResults(cells, markdown, out_root, files)
+            floor = cfg.reference_floor
+            warns = (
+                [w for ws in report.reference_warnings(cells, floor).values() for w in ws] if floor is not None else []
+            )
+            results = EvalResults(cells, markdown, out_root, files, warns)
         acc.wait_for_everyone()
         return results
     finally:
@@ -562,9 +588,10 @@ def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model
 
 
 def _spec_defaults(cfg: EvalConfig, b: _Loaded) -> dict[str, dict]:
-    """Default values of the cell spec's option sections, by section (see :func:`_same_spec`)."""
+    """Per section of the cell spec, the value each option had before it existed (see :func:`_same_spec`): its
+    default, except ``generation.min_new_tokens``, whose earlier rule (stop on a first-token eos) is 0."""
     return {
-        "generation": to_dict(GenerationConfig()),
+        "generation": {**to_dict(GenerationConfig()), "min_new_tokens": 0},
         "model_config": {k: v for k, v in to_dict(ModelConfig()).items() if k != "name"},
         "dataset": {**to_dict(type(b.cfg)()), "kind": b.cfg.kind or b.entry},
     }

