@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from core_kv.config import ConfigError, check_on_init, folder, non_empty, option
 from core_kv.memory import WRITE_RULES
 from core_kv.policy import PolicyStageConfig
 from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
@@ -33,73 +35,78 @@ def _proxy_teacher() -> TeacherConfig:
     )
 
 
-def check_options(obj, prefix: str, positive: tuple = (), non_negative: tuple = ()) -> None:
-    """Raise ``ValueError`` naming ``<prefix><field>`` for a field that is not > 0 (``positive``; ``None`` passes)
-    or not >= 0 (``non_negative``)."""
-    for names, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0")):
-        for name in names:
-            v = getattr(obj, name)
-            if v is not None and (isinstance(v, bool) or not ok(v)):
-                raise ValueError(f"{prefix}{name} must be {what}, got {v!r}")
-
-
 @dataclass
 class IndexerStage:
     """Stage 2: distillation. ``warmup_steps`` on the teacher dataset's records (teacher-forced candidates: the
     full cache at each event), then ``steps`` on-policy steps replaying documents with the student's own retained
-    sets (CORE.md stage 2)."""
+    sets (CORE.md stage 2).
 
-    warmup_steps: int = 300
-    records_per_micro: int = 16  # teacher records (event × layer) per micro-batch in the warm-up
-    steps: int = 80
-    lr: float = 1.0e-3
-    weight_decay: float = 0.01
-    warmup_lr_steps: int = 8
-    grad_clip: float = 1.0
-    rank_weight: float = 0.1  # μ_rank of the Top-B boundary BCE (0 disables it)
+    Args:
+        warmup_steps: optimizer steps on teacher records (cheap: no base-model forward).
+        steps: on-policy optimizer steps, each replaying ``micro_batch × grad_accum`` documents through the frozen
+            base model with the student's own evictions and the teacher solved on them (the expensive part).
+        lr / weight_decay: AdamW learning rate and weight decay of the indexer.
+        warmup_lr_steps: linear learning-rate warm-up steps.
+        grad_clip: gradient-norm clip.
+    """
+
+    warmup_steps: int = option(300, ge=0)
+    records_per_micro: int = option(16, ge=1)  # teacher records (event × layer) per micro-batch in the warm-up
+    steps: int = option(80, ge=0)
+    lr: float = option(1.0e-3, gt=0)
+    weight_decay: float = option(0.01, ge=0)
+    warmup_lr_steps: int = option(8, ge=0)
+    grad_clip: float = option(1.0, ge=0)
+    rank_weight: float = option(0.1, ge=0)  # μ_rank of the Top-B boundary BCE (0 disables it)
     # On-policy replay on the compressed cascade's activations (layer l+1's inputs from a forward in which the
     # student's retained sets replace every cache; the teacher's future queries are the cascade's) instead of the
     # full-cache forward's. A deviation from CORE.md stage 2 (docs/method.md, "Cascade-aware on-policy replay").
     cascade: bool = False
 
-    def check(self, prefix: str = "indexer.") -> None:
-        check_options(self, prefix, ("records_per_micro", "lr"),
-                      ("warmup_steps", "steps", "weight_decay", "warmup_lr_steps", "grad_clip", "rank_weight"))  # fmt: skip
-
 
 @dataclass
 class CalibrationStage:
     """Stage 3: one temperature per layer on held-out documents (golden-section on log T); how many documents is
-    :attr:`TrainConfig.calib_docs`."""
+    :attr:`TrainConfig.calib_docs`.
+
+    Args:
+        log_t_min / log_t_max: the search interval of log T (T = the softmax temperature that makes the estimated
+            evicted mass ε̂ match the true evicted attention mass α).
+        grid: points of the log T grid scanned before the golden-section refinement.
+    """
 
     log_t_min: float = -4.0
     log_t_max: float = 4.0
-    grid: int = 161
+    grid: int = option(161, ge=2)  # points of the log T grid
 
     def check(self, prefix: str = "calibration.") -> None:
-        if self.grid < 2:
-            raise ValueError(f"{prefix}grid must be >= 2 (points of the log T grid), got {self.grid}")
         if not self.log_t_min < self.log_t_max:
-            raise ValueError(f"{prefix}log_t_min must be < {prefix}log_t_max, got {self.log_t_min} >= {self.log_t_max}")
+            raise ConfigError(
+                f"{prefix}log_t_min must be < {prefix}log_t_max, got {self.log_t_min} >= {self.log_t_max}"
+            )
 
 
 @dataclass
 class MemoryStage:
-    """Stage 4: ``W_φ`` and the gate, base model / indexer / temperatures frozen."""
+    """Stage 4: ``W_φ`` and the gate, base model / indexer / temperatures frozen.
 
-    steps: int = 64
-    lr: float = 2.0e-3
-    weight_decay: float = 0.0
-    warmup_lr_steps: int = 8
-    grad_clip: float = 1.0
-    gate_weight: float = 0.1  # μ_g of BCE(g, α_E)
+    Args:
+        steps: optimizer steps, each replaying ``micro_batch × grad_accum`` documents with real evictions and memory
+            writes.
+        lr / weight_decay: AdamW learning rate and weight decay of ``W_φ``.
+        warmup_lr_steps: linear learning-rate warm-up steps.
+        grad_clip: gradient-norm clip.
+    """
+
+    steps: int = option(64, ge=0)
+    lr: float = option(2.0e-3, gt=0)
+    weight_decay: float = option(0.0, ge=0)
+    warmup_lr_steps: int = option(8, ge=0)
+    grad_clip: float = option(1.0, ge=0)
+    gate_weight: float = option(0.1, ge=0)  # μ_g of BCE(g, α_E)
     # The gate's scalars (gate_w, gate_b) need moves of several units, which Adam at ``lr`` cannot make in a few
     # dozen steps (at most ~lr per step); their own learning rate [choice]. None: ``lr``.
-    gate_lr: float | None = 5.0e-2
-
-    def check(self, prefix: str = "memory.") -> None:
-        check_options(self, prefix, ("lr", "gate_lr"),
-                      ("steps", "weight_decay", "warmup_lr_steps", "grad_clip", "gate_weight"))  # fmt: skip
+    gate_lr: float | None = option(5.0e-2, gt=0)
 
 
 RECIPES = ("replay", "released")
@@ -124,8 +131,9 @@ class OnlineConfig:
         sinks: Protected first tokens, kept inside the budget and left out of the KL and the boundary ranking.
         lambda_cal, lambda_bd: Weights of the KL and of the boundary hinge (1, 4).
         boundary_delta, boundary_margin: Teacher ranks on each side of the cut (32) and the hinge margin (0.5).
-        budgets: Compression ratios supervised by the boundary hinge; with ``all_budgets`` every one of them at
-            every step (else only the step's ratio, drawn from them).
+        budgets: Compression ratios supervised by the boundary hinge (0.25, 0.5, 0.75, 0.9).
+        all_budgets: Supervise every one of ``budgets`` at every step (the release); false: only the step's ratio,
+            drawn from them.
         memory: Train the fast memory in the joint stage (False: indexer-only for all steps).
         memory_dim, memory_gate_hidden, memory_decay, memory_tail, lambda_mem: The memory (512, 64, 0.9; MSE on the
             last 16 queries; weight 1).
@@ -142,67 +150,55 @@ class OnlineConfig:
             queries, phase 1) every 4 optimizer steps, loss weight 1 (0 disables).
     """
 
-    geometry_seed: int = 42
-    d_z: int = 64
-    num_prototypes: int = 64
-    drive_beta: float = 128.0
-    drive_alpha: float = 1.0
-    drive_tau: float = 8.0
-    drive_steps: int = 8
-    teacher_temperature: float = 1.0
-    student_temperature: float = 1.0
-    sinks: int = 4
-    lambda_cal: float = 1.0
-    lambda_bd: float = 4.0
-    boundary_delta: int = 32
-    boundary_margin: float = 0.5
-    budgets: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 0.9])
+    geometry_seed: int = option(42, ge=0)
+    d_z: int = option(64, gt=0)
+    num_prototypes: int = option(64, gt=0)
+    drive_beta: float = option(128.0, ge=0)
+    drive_alpha: float = option(1.0, gt=0)
+    drive_tau: float = option(8.0, gt=0)
+    drive_steps: int = option(8, gt=0)
+    teacher_temperature: float = option(1.0, gt=0)
+    student_temperature: float = option(1.0, gt=0)
+    sinks: int = option(4, ge=0)
+    lambda_cal: float = option(1.0, ge=0)
+    lambda_bd: float = option(4.0, ge=0)
+    boundary_delta: int = option(32, gt=0)
+    boundary_margin: float = option(0.5, ge=0)
+    budgets: list[float] = option(factory=lambda: [0.25, 0.5, 0.75, 0.9], gt=0, lt=1, check=non_empty)
     all_budgets: bool = True
     memory: bool = True
-    memory_dim: int = 512
-    memory_gate_hidden: int = 64
-    memory_decay: float = 0.9
-    memory_tail: int = 16
-    lambda_mem: float = 1.0
-    memory_dtype: str = "float32"
-    total_steps: int = 5400
-    indexer_steps: int = 1000
-    warmup: int = 100
-    stable: int = 3100
-    decay: int = 2200
-    lr_peak: float = 5.0e-4
-    lr_final: float = 7.5e-6
-    joint_indexer_lr_scale: float = 0.1
-    joint_memory_lr_scale: float = 1.0
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    short_len: int = 2048
-    long_len: int = 4096
-    long_every: int = 8
-    decode_every: int = 4
-    decode_window: int = 128
-    decode_weight: float = 1.0
+    memory_dim: int = option(512, gt=0)
+    memory_gate_hidden: int = option(64, gt=0)
+    memory_decay: float = option(0.9, ge=0, le=1)
+    memory_tail: int = option(16, gt=0)
+    lambda_mem: float = option(1.0, ge=0)
+    memory_dtype: str = option("float32", choices=("float32", "float16", "bfloat16"))
+    total_steps: int = option(5400, gt=0)
+    indexer_steps: int = option(1000, ge=0)
+    warmup: int = option(100, ge=0)
+    stable: int = option(3100, ge=0)
+    decay: int = option(2200, ge=0)
+    lr_peak: float = option(5.0e-4, gt=0)
+    lr_final: float = option(7.5e-6, ge=0)
+    joint_indexer_lr_scale: float = option(0.1, gt=0)
+    joint_memory_lr_scale: float = option(1.0, gt=0)
+    weight_decay: float = option(0.01, ge=0)
+    grad_clip: float = option(1.0, ge=0)
+    short_len: int = option(2048, gt=0)
+    long_len: int = option(4096, gt=0)
+    long_every: int = option(8, ge=0)
+    decode_every: int = option(4, ge=0)
+    decode_window: int = option(128, gt=0)
+    decode_weight: float = option(1.0, ge=0)
 
     def check(self, prefix: str = "online.") -> None:
-        check_options(self, prefix, ("d_z", "num_prototypes", "drive_alpha", "drive_tau", "drive_steps",
-                                     "teacher_temperature", "student_temperature", "boundary_delta", "memory_dim",
-                                     "memory_gate_hidden", "memory_tail", "total_steps", "lr_peak", "short_len",
-                                     "long_len", "decode_window", "joint_indexer_lr_scale", "joint_memory_lr_scale"),
-                      ("drive_beta", "sinks", "lambda_cal", "lambda_bd", "boundary_margin", "lambda_mem",
-                       "indexer_steps", "warmup", "stable", "decay", "lr_final", "weight_decay", "grad_clip",
-                       "long_every", "decode_every", "decode_weight"))  # fmt: skip
-        if not self.budgets or any(not 0 < r < 1 for r in self.budgets):
-            raise ValueError(f"{prefix}budgets must be compression ratios in (0, 1), got {self.budgets}")
         if self.indexer_steps > self.total_steps:
-            raise ValueError(f"{prefix}indexer_steps ({self.indexer_steps}) exceeds total_steps ({self.total_steps})")
+            raise ConfigError(f"{prefix}indexer_steps ({self.indexer_steps}) exceeds {prefix}total_steps "
+                              f"({self.total_steps})")  # fmt: skip
         if self.warmup + self.stable + self.decay < 1:
-            raise ValueError(f"{prefix}warmup + stable + decay must be >= 1 (the WSD schedule)")
-        if not 0 <= self.memory_decay <= 1:
-            raise ValueError(f"{prefix}memory_decay must be in [0, 1], got {self.memory_decay}")
-        if self.memory_dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"{prefix}memory_dtype must be float32, float16 or bfloat16, got {self.memory_dtype!r}")
+            raise ConfigError(f"{prefix}warmup + stable + decay must be >= 1 (the WSD schedule)")
         if self.lr_final > self.lr_peak:
-            raise ValueError(f"{prefix}lr_final ({self.lr_final}) exceeds lr_peak ({self.lr_peak})")
+            raise ConfigError(f"{prefix}lr_final ({self.lr_final}) exceeds {prefix}lr_peak ({self.lr_peak})")
 
     def lr_at(self, step: int) -> float:
         """The WSD learning rate after ``step`` optimizer steps of the whole schedule: linear warm-up from 0, constant
@@ -239,6 +235,8 @@ class TrainConfig:
             is a deliberate ``out_dir=checkpoints/<name>``. A folder holding a finished artifact of another config is
             refused unless ``overwrite``.
         teacher: The teacher run to reuse (or build, when ``build_teacher``) — its model is the base model.
+        build_teacher: Build the teacher dataset when ``teacher.out_dir`` holds none for this model and these teacher
+            options (false: refuse instead).
         train_docs: Pool of on-policy documents (indices 0.., cycled).
         calib_docs / eval_docs: Held-out documents (disjoint index ranges) for calibration and the final report.
         ratios: Compression ratios cycled over training documents (position j gets ``ratios[j % len]``).
@@ -252,7 +250,13 @@ class TrainConfig:
             interruption would (a resumable checkpoint is saved first).
         overwrite: Retrain from scratch: delete the folder's stages, states and ``final/`` first (the only way a run
             replaces a finished artifact).
+        seed: the run's random seed (indexer and memory initialisation, sampling).
+        keep_last: resumable checkpoints kept (older ones are deleted).
         wandb: Log through ``accelerator.init_trackers``/``log`` (``wandb_mode`` offline works without login).
+        wandb_project: W&B project name.
+        wandb_mode: ``offline`` (no login; ``wandb sync`` later), ``online`` or ``disabled``.
+        progress: show progress bars.
+        threads: torch intra-op threads per process (0 = leave torch's setting; 1 is fastest on a shared CPU).
         recipe: ``replay`` (the teacher dataset, on-policy replay, calibration and latent-memory stages of
             CORE.md) or ``released`` (the CORE authors' design: online distillation with the frozen model in the loop,
             :class:`OnlineConfig`).
@@ -261,58 +265,41 @@ class TrainConfig:
             the artifact (:class:`~core_kv.policy.PolicyStageConfig`; ``policy.enabled=false`` skips it).
     """
 
-    out_dir: str = "runs/core-proxy"
+    out_dir: str = option("runs/core-proxy", check=folder)
     teacher: TeacherConfig = field(default_factory=_proxy_teacher)
     build_teacher: bool = True
-    train_docs: int = 32
-    calib_docs: int = 6
-    eval_docs: int = 6
-    ratios: list[float] = field(default_factory=lambda: [0.75, 0.9, 0.5])
-    eval_ratios: list[float] = field(default_factory=lambda: [0.75, 0.9])
+    train_docs: int = option(32, ge=1)
+    calib_docs: int = option(6, ge=1)
+    eval_docs: int = option(6, ge=1)
+    ratios: list[float] = option(factory=lambda: [0.75, 0.9, 0.5], gt=0, lt=1, check=non_empty)
+    eval_ratios: list[float] = option(factory=lambda: [0.75, 0.9], gt=0, lt=1, check=non_empty)
     eval_greedy: bool = False
-    write_rule: str = "mass"
+    write_rule: str = option("mass", choices=WRITE_RULES)
     indexer: IndexerStage = field(default_factory=IndexerStage)
     calibration: CalibrationStage = field(default_factory=CalibrationStage)
     memory: MemoryStage = field(default_factory=MemoryStage)
-    micro_batch: int = 1
-    grad_accum: int = 1
-    seed: int = 0
-    save_every: int = 16
-    keep_last: int = 2
-    stop_after: int = 0
+    micro_batch: int = option(1, ge=1)
+    grad_accum: int = option(1, ge=1)
+    seed: int = option(0, ge=0)
+    save_every: int = option(16, ge=1)
+    keep_last: int = option(2, ge=1)
+    stop_after: int = option(0, ge=0)
     overwrite: bool = False
     wandb: bool = False
-    wandb_project: str = "core_kv"
-    wandb_mode: str = "offline"
+    wandb_project: str = option("core_kv", check=non_empty)
+    wandb_mode: str = option("offline", choices=("offline", "online", "disabled"))
     progress: bool = True
-    threads: int = 0
-    recipe: str = "replay"
+    threads: int = option(0, ge=0)  # >0: torch.set_num_threads (0 = leave it)
+    recipe: str = option("replay", choices=RECIPES)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     policy: PolicyStageConfig = field(default_factory=PolicyStageConfig)
 
     def __post_init__(self) -> None:
-        if self.recipe not in RECIPES:
-            raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}")
-        self.online.check()
-        if self.write_rule not in WRITE_RULES:
-            raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {self.write_rule!r}")
-        for name in ("micro_batch", "grad_accum", "save_every", "keep_last"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("train_docs", "calib_docs", "eval_docs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("ratios", "eval_ratios"):
-            rs = getattr(self, name)
-            if not rs or any(not 0 < r < 1 for r in rs):
-                raise ValueError(f"{name} must be a non-empty list of compression ratios in (0, 1), got {rs}")
-        # every stage's options are checked here, before the first stage runs (a bad memory.lr must not wait for
-        # the warm-up, indexer and calibration stages)
-        self.indexer.check()
-        self.calibration.check()
-        self.memory.check()
-        self.policy.check()
-        if self.wandb_mode not in ("offline", "online", "disabled"):
-            raise ValueError("wandb_mode must be offline, online or disabled")
-        if self.stop_after < 0:
-            raise ValueError("stop_after must be >= 0")
+        check_on_init(self)  # every stage's options, before the first stage runs
+
+    def check(self, prefix: str = "") -> None:
+        if Path(self.out_dir).resolve() == Path(self.teacher.out_dir).resolve():
+            raise ConfigError(
+                f"{prefix}teacher.out_dir must differ from {prefix}out_dir (both are {self.out_dir!r}): the teacher "
+                "dataset and the CORE run write files of the same names"
+            )
