@@ -21,8 +21,8 @@ class AdaKVPress(ScorerPress, name="adakv"):
     below). The layer keeps ``Hkv * n_kept`` positions in total (``n_kept`` from this
     wrapper's ``compression_ratio``/``budget``): every head first keeps its top ``max(1, int(alpha_safeguard *
     n_kept))`` positions, then the globally lowest scores across all heads of the layer are evicted. The
-    resulting per-head index lists are stored physically by the framework (a ragged cache: heads grouped by equal
-    quota, nothing padded), so the memory saving is real and attention is exact.
+    resulting per-head index lists are stored physically by the framework (a ragged cache: each head's tokens
+    contiguous, nothing padded), so the memory saving is real and attention is exact.
 
     Deviations from kvpress: kvpress keeps the full cache and hides evicted keys behind "fake keys" inside a
     patched attention function (no memory saved, not eager-compatible); here they are removed, and eager models
