@@ -72,3 +72,28 @@ def test_core_cost_column_names_must_not_repeat(capsys):
     with pytest.raises(SystemExit) as e:
         COST["main"](["--press-option", "float16.repair=true", "--memory-dtypes", "float16"])
     assert e.value.code == 2 and "column names repeat" in capsys.readouterr().err
+
+
+def test_core_profile_wraps_every_target_and_refuses_a_missing_one(tmp_path):
+    """Every component core_profile.py times exists in the code (it raises naming a missing one) and comes off."""
+    import core_kv.features as features
+    from core_kv.models.tiny import tiny_lm
+    from core_kv.presses import build_press
+    from core_kv.presses.core import CorePress
+
+    prof_mod = runpy.run_path(str(ROOT / "benchmarks" / "core_profile.py"))
+    model = tiny_lm(seed=0)
+    ckpt = COST["build_artifact"](model, tmp_path / "core")
+    press = build_press("core", checkpoint=str(ckpt), compression_ratio=0.5)
+    before = (features.twin_rarity, CorePress._post_hook, press.core.indexer.scores)
+    prof = prof_mod["Profiler"]()
+    prof.instrument(press)
+    assert features.twin_rarity is not before[0] and "_post_hook" in vars(CorePress)
+    prof.unwrap()
+    assert (features.twin_rarity, CorePress._post_hook, press.core.indexer.scores) == before
+    assert "_post_hook" not in vars(CorePress)  # the inherited hook is BasePress's again
+    for target in (("core_kv.features", "no_such_feature", "x"), ("press", "_scores", "indexer")):
+        with pytest.raises(SystemExit, match=f"{target[0]}.{target[1]} does not exist"):
+            prof_mod["Profiler"]().wrap(
+                prof_mod["resolve"](target[0], press), target[1], target[2], ".".join(target[:2])
+            )
