@@ -19,7 +19,7 @@ from core_kv.features import (
     observation_attention,
     update_persistence,
 )
-from core_kv.kernels import leverage, normalised_beta_b
+from core_kv.nystrom import leverage, normalised_beta_b
 
 F = {n: i for i, n in enumerate(FEATURE_NAMES)}
 

@@ -38,12 +38,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from core_kv.budget import budget_split
+from core_kv.budget import budget_split, protected_mask, top_free
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
+from core_kv.geometry import Geometry
 from core_kv.models.attention import LayerQKV, attention_inputs, attention_modules, layer_qkv
 from core_kv.teacher.config import layer_lam
-from core_kv.teacher.geometry import Geometry
-from core_kv.teacher.metrics import protected_mask, top_free
 from core_kv.teacher.solver import solve_allocation
 from core_kv.teacher.utility import future_utilities, normalise
 
