@@ -151,7 +151,12 @@ def measure(model, methods: dict, n: int, chunk: int | None, repeats: int) -> di
             if r:
                 times[m]["prefill"].append(t_pre)
                 times[m]["decode"].append(t_dec / (question.shape[1] + DECODE_STEPS - 1))
-            info[m] = {"kv_bytes": kv_bytes(cache)["total"], "aux_bytes": press.aux_bytes() if press else 0}
+            acc = kv_bytes(cache)
+            info[m] = {
+                "kv_bytes": acc["total"],
+                "kv_payload": acc["payload"],
+                "aux_bytes": press.aux_bytes() if press else 0,
+            }
     return {m: {k: statistics.median(v) for k, v in times[m].items()} | info[m] for m in names}
 
 
