@@ -49,7 +49,9 @@ def register_core_mix():
             elif self.other in ("keydiff", "expected_attention"):
                 self._mix_inner = build_press(self.other)
             else:
-                raise ValueError(f"core_mix: other must be keydiff, expected_attention or feature:<name>, got {self.other!r}")
+                raise ValueError(
+                    f"core_mix: other must be keydiff, expected_attention or feature:<name>, got {self.other!r}"
+                )
 
         def _event(self, module, st, keys, values, hidden_states, kwargs, b):
             if module.layer_idx not in self.other_layers:

@@ -86,8 +86,9 @@ def bench_model(model: str | None, shape: str, layers: int | None):
     return build_model(bench_shape(shape, layers))
 
 
-def build_artifact(model, folder: Path) -> Path:
-    """An untrained CORE artifact for ``model``: geometry fitted to its keys on random tokens, default MLPs."""
+def build_artifact(model, folder: Path, feature_spec: int = 1) -> Path:
+    """An untrained CORE artifact for ``model``: geometry fitted to its keys on random tokens, default MLPs, features
+    of spec ``feature_spec`` (cost depends on the spec: v2 adds the O(N²) twin counts)."""
     from core_kv.core_model import CoreConfig, CoreModel
     from core_kv.distill.replay import capture
     from core_kv.geometry import model_fingerprint
@@ -97,7 +98,9 @@ def build_artifact(model, folder: Path) -> Path:
     acts = capture(model, ids)
     d = acts[0].k_pre.shape[-1]
     geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(model), d_z=min(64, d), num_prototypes=64)
-    core = CoreModel(CoreConfig.for_model(model, geo))
+    from core_kv.features import spec
+
+    core = CoreModel(CoreConfig.for_model(model, geo, feature_spec=spec(feature_spec)))
     core.set_geometry(geo)
     core.save_pretrained(folder)
     return folder

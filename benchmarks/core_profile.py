@@ -241,6 +241,9 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    ap.add_argument(
+        "--feature-spec", type=int, default=2, help="feature spec of the untrained artifact (without --checkpoint)"
+    )
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument(
         "--press-option",
@@ -259,7 +262,9 @@ def main(argv=None) -> None:
     model = bench_model(args.model, args.shape, args.layers)
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core")
+        ckpt = (
+            Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core", args.feature_spec)
+        )
 
         def press(opts):
             return build_press("core", checkpoint=str(ckpt), compression_ratio=args.ratio, **opts)

@@ -123,6 +123,9 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None, help="a local model folder or packaged name (default: --shape)")
     ap.add_argument("--checkpoint", default=None, help="a CORE artifact for --model (default: untrained, fitted)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="config-built model shape")
+    ap.add_argument(
+        "--feature-spec", type=int, default=2, help="feature spec of the untrained artifact (without --checkpoint)"
+    )
     ap.add_argument("--layers", type=int, default=None, help="decoder layers of --shape (default: all of them)")
     ap.add_argument("--only", nargs="+", choices=sorted(PRESSES), default=None, help="a subset of the presses")
     ap.add_argument("--out", default=None, help="write the results JSON here")
@@ -138,7 +141,11 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = None
         if any(PRESSES[p][0] == "core" for p in labels):
-            ckpt = Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core")
+            ckpt = (
+                Path(args.checkpoint)
+                if args.checkpoint
+                else build_artifact(model, Path(tmp) / "core", args.feature_spec)
+            )
         for n in args.lengths:
             methods = {label: build(label, args.ratio, ckpt) for label in labels}
             results[str(n)] = measure(model, methods, n, None, args.repeats)
