@@ -202,3 +202,42 @@ def test_chunked_prefill_on_a_ragged_cache_keeps_the_budget_and_answers():
     assert acc["total"] == acc["payload"]  # each chunk's eviction rebuilds the layer from the kept entries
     tokens = greedy_answer(model, cache, 160, torch.tensor([[5, 6, 7]]), 4, press, eos_token_ids=[])
     assert len(tokens) == 4 and kv_bytes(cache)["tokens_per_head"] == acc["tokens_per_head"]  # trimmed back
+
+
+def test_core_readout_takes_the_ragged_kernels_log_partition(tmp_path, llama, monkeypatch):
+    """CORE with head-wise budgets and its memory: a decode step's readout uses the log-partition the ragged
+    attention returns; the logits equal those of the readout computing it itself over the retained cache."""
+    import core_kv.presses.core as core_mod
+    from core_kv.core_model import CoreConfig, CoreModel
+    from core_kv.distill.replay import capture
+    from core_kv.geometry import model_fingerprint
+    from core_kv.teacher.geometry import fit_geometry
+
+    ctx = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(1))
+    acts = capture(llama, ctx)
+    geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(llama), d_z=16, num_prototypes=16)
+    core = CoreModel(CoreConfig.for_model(llama, geo))
+    core.set_geometry(geo)
+    core.save_pretrained(tmp_path / "core")
+
+    def decode_logits():
+        press = build_press("core", checkpoint=str(tmp_path / "core"), compression_ratio=0.6, head_budgets="adaptive")
+        cache = prefill(llama, ctx, press)
+        assert any(isinstance(layer, RaggedLayer) for layer in cache.layers)
+        out, pos, token = [], 200, torch.tensor([[5]])
+        with torch.inference_mode(), press(llama):
+            for _ in range(3):
+                logits = llama(
+                    input_ids=token, position_ids=torch.tensor([[pos]]), **{cache_kwarg(llama): cache}
+                ).logits
+                out.append(logits)
+                token, pos = logits[:, -1:].argmax(-1), pos + 1
+        return torch.cat(out, 1)
+
+    calls = []
+    ragged = attention.ragged_sdpa
+    monkeypatch.setattr(attention, "ragged_sdpa", lambda *a, **k: calls.append(k.get("return_lse")) or ragged(*a, **k))
+    with_kernel = decode_logits()
+    assert calls.count(True) == 3 * len(llama.model.layers)  # every decode step of every (ragged) layer
+    monkeypatch.setattr(core_mod, "LSE_SINK", "_no_sink")  # the press no longer asks: its readout computes lse_R
+    torch.testing.assert_close(decode_logits(), with_kernel, rtol=1e-5, atol=1e-5)
