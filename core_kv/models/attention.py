@@ -190,10 +190,8 @@ def ragged_sdpa(
     the first ``L_h − T + t + 1`` of them. A decode step (T = 1) passes the G queries as the rows of one attention
     call per KV head (no mask, no repeated keys).
 
-    One call per KV head rather than one padded call per layer: on CPU (one thread, SmolLM2-135M at 2k, 75%) a
-    single call over per-head pages merged by log-sum-exp decoded 1.05-1.09× the uniform cache and a call padded to
-    the longest head ~2× the attention time on CORE's unequal heads, against 1.00-1.02× for this
-    (``benchmarks/ragged_decode.py``; docs/presses.md "Exact per-head budgets").
+    One call per KV head rather than one call per layer: see docs/presses.md ("Exact per-head budgets") for the
+    one-call layouts measured against it (pages merged by log-sum-exp; heads padded to the longest).
     """
     layer = kv.layer
     b, h, t, d = query.shape
