@@ -35,9 +35,9 @@ norms), which the smaller cache does not change. ``--press-option NAME.OPTION=VA
 (``NAME`` alone, e.g. ``pool.head_budgets=adaptive pool.head_pool=output pool.memory=false``) beside the
 artifact's defaults. Usage::
 
-    .venv/bin/python benchmarks/core_profile.py --model smollm2-135m --checkpoint checkpoints/core-smollm2-v2/final \\
+    .venv/bin/python -m benchmarks.core_profile --model smollm2-135m --checkpoint checkpoints/core-smollm2/final \\
         --lengths 2048 4096 8192
-    .venv/bin/python benchmarks/core_profile.py --shape llama-3.1-8b --layers 2 --lengths 2048 4096
+    .venv/bin/python -m benchmarks.core_profile --shape llama-3.1-8b --layers 2 --lengths 2048 4096
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import argparse
 import importlib
 import inspect
 import json
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -55,33 +54,30 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_cost import SHAPES, bench_model, build_artifact  # noqa: E402
-from needle_wording import parse_press_options  # noqa: E402
+from benchmarks.core_cost import SHAPES, bench_model, build_artifact
+from core_kv.eval.press_labels import parse_press_options
 
-PRESS = "press"  # the owner named "press": the CORE press class (attributes looked up along its MRO)
+SCORER = "core_kv.presses.core_scorer.CoreScorerPress"
+MEMORY = "core_kv.presses.latent_memory.LatentMemoryPress"
+BASE = "core_kv.presses.base.BasePress"
 INDEXER = "indexer"  # the press's indexer instance
 ATTENTION = "attention"  # the base attention implementation registered with transformers
-TARGETS = (  # (owner, attribute, component)
-    (PRESS, "_q_hook", "q_hook"),
-    (PRESS, "_pre_hook", "hooks"),
-    (PRESS, "_post_hook", "hooks"),
-    (PRESS, "_event", "event"),
-    (PRESS, "_apply", "evict"),
-    (PRESS, "unrope", "unrope"),
-    (PRESS, "_features", "feat_other"),
-    (PRESS, "_repaired", "repair"),
-    (PRESS, "_write", "memory_write"),
-    (PRESS, "readout", "readout"),
-    (PRESS, "_retained_lse", "readout_lse"),
-    (PRESS, "_compensate", "readout_memory"),
-    ("core_kv.presses.core", "observation_attention", "feat_obs_attention"),
-    ("core_kv.presses.core", "compute_features", "feat_other"),
-    ("core_kv.presses.core", "protected_mask", "selection"),
-    ("core_kv.presses.core", "top_free", "selection"),
-    ("core_kv.presses.core", "adaptive_keep", "head_pooling"),
-    ("core_kv.presses.core", "keep_top_per_head", "head_pooling"),
-    ("core_kv.presses.core", "write_weights", "memory_write"),
+TARGETS = (  # (owner, attribute, component): the pieces of the composed press (core_kv/presses/core.py)
+    (SCORER, "_q_hook", "q_hook"),
+    (MEMORY, "_q_hook", "q_hook"),
+    (BASE, "_pre_hook", "hooks"),
+    (BASE, "_post_hook", "hooks"),
+    (SCORER, "before_forward", "hooks"),
+    (SCORER, "after_forward", "hooks"),
+    (MEMORY, "before_forward", "hooks"),
+    (MEMORY, "after_forward", "hooks"),
+    (SCORER, "score", "event"),
+    (SCORER, "evicted", "event"),
+    (BASE, "_apply", "evict"),
+    (SCORER, "unrope", "unrope"),
+    (SCORER, "_features", "feat_other"),
+    ("core_kv.presses.core_scorer", "observation_attention", "feat_obs_attention"),
+    ("core_kv.presses.core_scorer", "compute_features", "feat_other"),
     ("core_kv.features", "twin_rarity", "feat_twin_rarity"),
     ("core_kv.features", "key_distinctiveness", "feat_key_distinct"),
     ("core_kv.features", "leverage", "feat_novelty"),
@@ -91,6 +87,20 @@ TARGETS = (  # (owner, attribute, component)
     ("core_kv.geometry.Geometry", "nystrom", "feat_geometry"),
     (INDEXER, "scores", "indexer"),
     (INDEXER, "distribution", "indexer"),
+    ("core_kv.presses.base.ScorerPress", "compress", "selection"),
+    ("core_kv.presses.base.ScorerPress", "select", "selection"),
+    ("core_kv.presses.adakv.AdaKVPress", "score", "head_pooling"),
+    ("core_kv.presses.adakv.AdaKVPress", "select", "head_pooling"),
+    ("core_kv.presses.adakv", "adaptive_keep", "head_pooling"),
+    ("core_kv.presses.twin_repair.TwinRepairPress", "compress", "repair"),
+    (MEMORY, "evicted", "memory_write"),
+    (MEMORY, "write", "memory_write"),
+    (MEMORY, "write_weights", "memory_write"),
+    ("core_kv.presses.latent_memory", "write_fused", "memory_write"),
+    (MEMORY, "readout", "readout"),
+    (MEMORY, "retained_lse", "readout_lse"),
+    (MEMORY, "compensate", "readout_memory"),
+    ("core_kv.presses.latent_memory", "compensate_fused", "readout_memory"),
     ("core_kv.models.attention", "ragged_sdpa", "ragged_attention"),
     ("core_kv.models.attention", "_attention_with_lse", "attention"),  # decode steps that hand CORE their lse
     (ATTENTION, "sdpa", "attention"),
@@ -98,9 +108,7 @@ TARGETS = (  # (owner, attribute, component)
 
 
 def resolve(owner: str, press):
-    """The object a target's ``owner`` names (a module, a class, the press's class, its indexer)."""
-    if owner == PRESS:
-        return type(press)
+    """The object a target's ``owner`` names (a module, a class, the press's indexer, the attention registry)."""
     if owner == INDEXER:
         return press.core.indexer
     if owner == ATTENTION:

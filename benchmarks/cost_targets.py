@@ -16,9 +16,9 @@ state (CORE's memory) as a share of the KV; then the targets, each met or missed
 
 The last line is a one-line ratio summary to compare run to run. Usage::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cost_targets.py --model smollm2-135m \\
-        --checkpoint checkpoints/core-smollm2-v2/final --lengths 2048 4096 8192
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cost_targets.py --shape llama-3.1-8b --layers 2 \\
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cost_targets --model smollm2-135m \\
+        --checkpoint checkpoints/core-smollm2/final --lengths 2048 4096 8192
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cost_targets --shape llama-3.1-8b --layers 2 \\
         --lengths 2048 4096 --only none snapkv core
 """
 
@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_cost import SHAPES, bench_model, build_artifact, measure  # noqa: E402
+from benchmarks.core_cost import SHAPES, bench_model, build_artifact, measure
 
 CORE_75 = {"head_budgets": "adaptive", "head_pool": "output", "memory": False}  # README's 75% recommendation
 CORE_90 = {"head_budgets": "adaptive", "repair": True, "memory": False}  # README's 90% recommendation

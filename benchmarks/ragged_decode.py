@@ -21,8 +21,8 @@ each side, the ratio head-wise ÷ uniform, the bytes each cache holds (a ragged 
 mask included) and its kept entries alone, and how unequal the heads are (mean over layers of longest ÷ mean head).
 The last line is a one-line ratio summary to compare run to run. Usage::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ragged_decode.py --model smollm2-135m \\
-        --checkpoint checkpoints/core-smollm2-v2/final --lengths 2048 4096 8192
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.ragged_decode --model smollm2-135m \\
+        --checkpoint checkpoints/core-smollm2/final --lengths 2048 4096 8192
 """
 
 from __future__ import annotations
@@ -30,15 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_cost import SHAPES, bench_model, build_artifact  # noqa: E402
+from benchmarks.core_cost import SHAPES, bench_model, build_artifact
 
 CORE_POOL = {"memory": False, "head_pool": "output"}
 PAIRS = {  # name -> (head-wise press, its uniform counterpart): (press name, options)

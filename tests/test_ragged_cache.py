@@ -207,7 +207,7 @@ def test_chunked_prefill_on_a_ragged_cache_keeps_the_budget_and_answers():
 def test_core_readout_takes_the_ragged_kernels_log_partition(tmp_path, llama, monkeypatch):
     """CORE with head-wise budgets and its memory: a decode step's readout uses the log-partition the ragged
     attention returns; the logits equal those of the readout computing it itself over the retained cache."""
-    import core_kv.presses.core as core_mod
+    import core_kv.presses.latent_memory as memory_mod
     from core_kv.core_model import CoreConfig, CoreModel
     from core_kv.distill.replay import capture
     from core_kv.geometry import model_fingerprint
@@ -239,5 +239,5 @@ def test_core_readout_takes_the_ragged_kernels_log_partition(tmp_path, llama, mo
     monkeypatch.setattr(attention, "ragged_sdpa", lambda *a, **k: calls.append(k.get("return_lse")) or ragged(*a, **k))
     with_kernel = decode_logits()
     assert calls.count(True) == 3 * len(llama.model.layers)  # every decode step of every (ragged) layer
-    monkeypatch.setattr(core_mod, "LSE_SINK", "_no_sink")  # the press no longer asks: its readout computes lse_R
+    monkeypatch.setattr(memory_mod, "LSE_SINK", "_no_sink")  # the press no longer asks: its readout computes lse_R
     torch.testing.assert_close(decode_logits(), with_kernel, rtol=1e-5, atol=1e-5)
