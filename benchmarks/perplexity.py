@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> dict:
             nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
             count += x.shape[1] - 1
     ppl = math.exp(nll / count)
-    print(f"{args.model}: perplexity {ppl:.3f} over {count} tokens ({count // (args.length - 1)} windows of "
-          f"{args.length}) on the held-out essays")
+    print(
+        f"{args.model}: perplexity {ppl:.3f} over {count} tokens ({count // (args.length - 1)} windows of "
+        f"{args.length}) on the held-out essays"
+    )
     return {"perplexity": ppl, "tokens": count}
 
 
