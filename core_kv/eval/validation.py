@@ -51,7 +51,9 @@ class ValidationPrompt:
 
 def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < MIN_SEED:
-        raise ValueError(f"policy.seed must be an integer >= {MIN_SEED} (lower seeds are the evaluation draws), got {seed!r}")
+        raise ValueError(
+            f"policy.seed must be an integer >= {MIN_SEED} (lower seeds are the evaluation draws), got {seed!r}"
+        )
     return seed
 
 

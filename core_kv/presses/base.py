@@ -438,7 +438,9 @@ class WrapperPress(BasePress):
                     f"wrapped press's (ratio={inner.compression_ratio}, budget={inner.budget}); set one of them"
                 )
         else:
-            raise ValueError(f"{self.name}: press must be a registered name or a press, got {type(self.press).__name__}")
+            raise ValueError(
+                f"{self.name}: press must be a registered name or a press, got {type(self.press).__name__}"
+            )
         mine = (self.protected_sinks, self.protected_recent)
         if type(self).protected is WrapperPress.protected and mine != (0, 0):  # protection given on the wrapper:
             press = self.press  # it is the inner scorer's, as the budget (kvpress style)
