@@ -58,6 +58,9 @@ from core_kv.models.loading import (
     model_label,
 )
 from core_kv.presses.base import PRESSES, BasePress, build_press
+from core_kv.presses.paper_protocol import CORE_PAPER
+
+PROTOCOLS = ("kvpress", CORE_PAPER)
 
 REFERENCE = "full"
 
@@ -143,6 +146,12 @@ class EvalConfig:
         datasets: per-benchmark settings, keyed by entry name.
         generation: feeding/answering options, identical for every method.
         output_dir: results root; one sub-folder per (benchmark, model, method, ratio).
+        protocol: how every compressed method evicts. ``kvpress`` (the default): the context is compressed once at
+            prefill, the question and the answer are not. ``core_paper``: the CORE paper's protocol
+            (:class:`~core_kv.presses.paper_protocol.PaperProtocolPress` around every method, CORE and the baselines
+            alike): 4 sinks counted inside the budget, and every 128 decoding forwards the cache is compressed back
+            to the prefill budget; its cells are named ``<method>@core_paper`` in results folders and tables (the
+            ``full`` reference is shared).
         seed: data-generation seed.
         tracker: experiment tracking (off by default).
         progress: show progress bars.
@@ -164,6 +173,7 @@ class EvalConfig:
     datasets: dict[str, BenchmarkConfig] = field(default_factory=_default_datasets)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     output_dir: str = option("results/eval", check=folder)
+    protocol: str = option("kvpress", choices=PROTOCOLS)
     seed: int = option(42, ge=0)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     progress: bool = True
@@ -327,7 +337,16 @@ def _build_press(cfg: EvalConfig, method: str, ratio: float) -> BasePress:
     kind, options = method_spec(method, cfg.press_options.get(method))
     if kind == REFERENCE:
         return build_press(REFERENCE, **options)
-    return build_press(kind, compression_ratio=ratio, **options)
+    press = build_press(kind, compression_ratio=ratio, **options)
+    return build_press("paper_protocol", press=press) if cfg.protocol == CORE_PAPER else press
+
+
+def cell_method(cfg: EvalConfig, method: str) -> str:
+    """The name of ``method``'s cells in results folders, tables and rows: ``<method>@<protocol>`` under a protocol
+    other than kvpress's (the ``full`` reference is the same under every protocol)."""
+    if cfg.protocol == "kvpress" or method_spec(method, cfg.press_options.get(method))[0] == REFERENCE:
+        return method
+    return f"{method}@{cfg.protocol}"
 
 
 # ------------------------------------------------------------------------------------------------------ partial I/O
@@ -503,6 +522,7 @@ def _cell_spec(cfg: EvalConfig, b: _Loaded, name: str, press: BasePress, method:
         "press": press.config_dict(),
         "generation": to_dict(cfg.generation),
         "seed": cfg.seed,
+        **({"protocol": cfg.protocol} if method != REFERENCE and cfg.protocol != "kvpress" else {}),
         "num_samples": len(b.samples),
         "inputs_sha256": hashlib.sha256("".join(b.prep.input_hash).encode()).hexdigest(),
     }
@@ -512,8 +532,9 @@ def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model
     """Evaluate (or skip, or resume) one (benchmark, method, ratio) cell; the main process returns its metrics."""
     main = acc.is_main_process
     bench, samples, groups, prep = b.bench, b.samples, b.groups, b.prep
-    folder = cell_dir(cfg.output_dir, b.entry, name, method, ratio)
     press = _build_press(cfg, method, ratio)
+    method = cell_method(cfg, method)
+    folder = cell_dir(cfg.output_dir, b.entry, name, method, ratio)
     spec = _cell_spec(cfg, b, name, press, method, ratio)
     spec_yaml = OmegaConf.to_yaml(OmegaConf.create(_jsonable(spec)))
     tag = f"{b.entry} | {method} @ {ratio_label(ratio)}"

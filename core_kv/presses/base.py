@@ -21,8 +21,8 @@ and goes beyond it where kvpress users complain (§6 there):
   ``o_proj`` and may add to the concatenated per-head attention output ``(B, T, H*D)`` (CORE's latent memory).
 - **Stateful presses** use public extension points, not the private hooks: :meth:`BasePress.install` /
   :meth:`BasePress.uninstall` (extra hooks), :meth:`BasePress.before_forward` / :meth:`BasePress.after_forward`
-  (per-forward bookkeeping), :attr:`BasePress.evicts` and :meth:`BasePress.eviction_target` (when and to what size
-  to evict), :meth:`BasePress.compress` (what to keep), :meth:`BasePress.evicted` (the phase after selection: the
+  (per-forward bookkeeping), :attr:`BasePress.evicts`, :meth:`BasePress.eviction_target` and
+  :meth:`BasePress.decode_event` (when and to what size to evict), :meth:`BasePress.compress` (what to keep), :meth:`BasePress.evicted` (the phase after selection: the
   final kept set of an event, before the cache is rewritten) and :meth:`BasePress.readout`.
 - **Composition by wrapping** (kvpress's ``AdaKVPress(press)``): a :class:`WrapperPress` holds an inner press and
   forwards every extension point to it, so scoring, head-wise allocation (``adakv``), the repair pass
@@ -191,6 +191,18 @@ class BasePress:
             return self.layer_target(module, seen)
         return self.budget if self.budget is not None else self.target(seen)
 
+    def decode_event(self, module: nn.Module, seen: int, lengths: torch.Tensor) -> int | None:
+        """With ``decoding=True``, after a forward that is not a prefill: the tokens per KV head a decode-time event
+        keeps now, or ``None`` for no event. ``lengths`` ``(Hkv,)`` are the layer's cached entries per KV head.
+        Default: :meth:`eviction_target` once the layer holds more than that + ``decoding_slack`` (the average head:
+        per-head allocation routinely puts the longest head above it, which would re-evict on every step). The CORE
+        paper's protocol (:mod:`~core_kv.presses.paper_protocol`) overrides it: every 128 forwards, to the prefill
+        budget."""
+        base = self.eviction_target(module, seen, prefill=False)
+        if int(lengths.sum()) <= lengths.numel() * (base + self.decoding_slack):
+            return None
+        return base
+
     # ------------------------------------------------------------------------------------------------------------
     # Budget arithmetic
 
@@ -264,10 +276,8 @@ class BasePress:
             if n_kept >= size and int(lengths.min()) == size:
                 return output
         elif self.decoding:
-            base = self.eviction_target(module, st["seen"], prefill=False)
-            # per-head budgets: trigger on the average head (the budget is an average), not the longest head,
-            # which per-head allocation routinely puts above base + slack (it re-evicted on every step)
-            if int(lengths.sum()) <= lengths.numel() * (base + self.decoding_slack):
+            base = self.decode_event(module, st["seen"], lengths)
+            if base is None:
                 return output
             n_kept = min(base, size)
         else:
