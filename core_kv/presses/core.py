@@ -50,7 +50,7 @@ from core_kv.config import parse_layers
 from core_kv.core_model import CoreModel
 from core_kv.features import FEATURE_NAMES, OBS_WINDOW, compute_features, observation_attention
 from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
-from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
+from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules, layer_rotary
 from core_kv.models.cache import RaggedLayer
 from core_kv.presses.adakv import adaptive_keep, keep_top_per_head
 from core_kv.presses.base import BasePress
@@ -339,7 +339,7 @@ class CorePress(BasePress, name="core"):
             self._checked.add(id(model))
         device = next(model.parameters()).device
         self._core = self.core.to(device)
-        self._rotary = getattr(model, "model", model).rotary_emb
+        self._rotary = layer_rotary(model)  # (module, x, positions) -> cos, sin of that layer's RoPE
         if self._inner is not None:
             self._inner.on_enter(model)
 
@@ -542,7 +542,7 @@ class CorePress(BasePress, name="core"):
         x = keys.float()[:, None]  # (Hkv, 1, N, D): heads as the batch
         if positions.shape[0] > 1 and bool((positions == positions[:1]).all()):
             positions = positions[:1]
-        cos, sin = self._rotary(x, positions)  # (Hkv or 1, N, r)
+        cos, sin = self._rotary(module, x, positions)  # (Hkv or 1, N, r)
         return apply_rope(module, x, (cos.float(), -sin.float()))[:, 0]
 
     def _features(self, module, st, keys, values, k_pre) -> torch.Tensor:
@@ -551,7 +551,7 @@ class CorePress(BasePress, name="core"):
         geo = self.core.geometry()
         hkv, n, d = keys.shape
         g = st["wq_pre"].shape[0] // hkv
-        cos, sin = self._rotary(st["wq_pre"], st["wpos"][None])  # (1, w, r)
+        cos, sin = self._rotary(module, st["wq_pre"], st["wpos"][None])  # (1, w, r)
         wq_post = apply_rope(module, st["wq_pre"][None], (cos.float(), sin.float()))[0]  # (H, w, D)
         z = geo.project(idx, k_pre)  # (Hkv, N, d_z)
         phi = geo.nystrom(idx, z)  # (Hkv, N, M)
