@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
     payload = {"args": vars(args), "summary": summary, "rows": rows}
     if args.json:
-        from core_kv.io import atomic_write_json
+        from core_kv.files import atomic_write_json
 
         atomic_write_json(Path(args.json), payload)
     return payload

@@ -90,7 +90,8 @@ def build_artifact(model, folder: Path) -> Path:
     """An untrained CORE artifact for ``model``: geometry fitted to its keys on random tokens, default MLPs."""
     from core_kv.core_model import CoreConfig, CoreModel
     from core_kv.distill.replay import capture
-    from core_kv.teacher.geometry import fit_geometry, model_fingerprint
+    from core_kv.geometry import model_fingerprint
+    from core_kv.teacher.geometry import fit_geometry
 
     ids = torch.randint(3, model.config.vocab_size, (1, 1024), generator=torch.Generator().manual_seed(0))
     acts = capture(model, ids)

@@ -38,14 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from torch import nn
 
-from core_kv.budget import budget_split
+from core_kv.budget import budget_split, protected_mask, top_free
 from core_kv.distill.loop import lr_at
 from core_kv.distill.losses import kl_to_teacher, topb_boundary_bce, topb_overlap
 from core_kv.features import NUM_FEATURES
 from core_kv.indexer import HIDDEN, CoreIndexer
-from core_kv.kernels import normalised_beta_b
+from core_kv.nystrom import normalised_beta_b
 from core_kv.teacher.dataset import MANIFEST
-from core_kv.teacher.metrics import protected_mask, set_quality, top_free
+from core_kv.teacher.metrics import set_quality
 
 RATIOS = (0.75, 0.9)
 CACHE = Path("runs/diag/distill_gap_cache.pt")

@@ -50,8 +50,8 @@ NOUN = ("falcon", "river", "lantern", "meadow", "harbor", "compass", "orchid", "
 
 def build_prompts(tokenizer, wording: str, haystack: str, length: int, n: int, seed: int) -> list[dict]:
     """``n`` prompts of about ``length`` context tokens (the tokenizer counts), needle at a uniform random depth."""
+    from core_kv.corpus import essays_text
     from core_kv.eval.ruler import NOISE
-    from core_kv.resources import essays_text
 
     needle_t, question_t, prefix_t = WORDINGS[wording]
     rng = random.Random(f"{seed}-{wording}-{haystack}-{length}")
@@ -174,8 +174,12 @@ def main(argv: list[str] | None = None) -> dict:
                                  "value": p["value"], "depth": round(p["depth"], 3), "answer": ans, "ok": ok})  # fmt: skip
                 results.append({"length": length, "method": method, "ratio": ratio, "wording": w, "haystack": h,
                                 "answered": hits, "n": len(ps)})  # fmt: skip
-            print(f"[needle_wording] {method} @ {ratio:.2f}, {length} tokens: {time.time() - t0:.0f} s", file=sys.stderr)
-    print(f"\nmodel: {args.model} | chat template: {not args.no_chat_template} | n = {args.n} per cell | seed {args.seed}")
+            print(
+                f"[needle_wording] {method} @ {ratio:.2f}, {length} tokens: {time.time() - t0:.0f} s", file=sys.stderr
+            )
+    print(
+        f"\nmodel: {args.model} | chat template: {not args.no_chat_template} | n = {args.n} per cell | seed {args.seed}"
+    )
     cols = [(w, h) for w in args.wordings for h in args.haystacks]
     print("| length | method | ratio | " + " | ".join(f"{w}/{h}" for w, h in cols) + " |")
     print("|---" * (3 + len(cols)) + "|")
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"| {length} | {method} | {ratio:.2f} | {cells_txt} |")
     payload = {"args": vars(args), "results": results, "answers": rows}
     if args.json:
-        from core_kv.io import atomic_write_json
+        from core_kv.files import atomic_write_json
 
         atomic_write_json(Path(args.json), payload)
     return payload

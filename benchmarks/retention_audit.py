@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {m} | mean | " + " | ".join(f"{sum(mean[k]) / len(mean[k]):.2f}" for k in
                                              ("needle", "value", "whole", "head", "overlap", "qmass", "relerr")) + f" | {sum(mean['kept']) / len(mean['kept']):.0f} |")  # fmt: skip
     if args.json:
-        from core_kv.io import atomic_write_json
+        from core_kv.files import atomic_write_json
 
         atomic_write_json(Path(args.json), {"args": vars(args), "per_layer": summary})
     return summary

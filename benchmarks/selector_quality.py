@@ -38,7 +38,9 @@ def press_scores(press, module, hidden_states, position_embeddings, acts, t_e: i
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--run", required=True, help="a train.py run folder: config.yaml + final/ (e.g. checkpoints/core-smollm2)")
+    ap.add_argument(
+        "--run", required=True, help="a train.py run folder: config.yaml + final/ (e.g. checkpoints/core-smollm2)"
+    )
     ap.add_argument("--docs", type=int, default=0, help="held-out documents (0: the run's eval_docs)")
     ap.add_argument("--presses", nargs="+", default=list(PRESSES))
     ap.add_argument("--threads", type=int, default=1)
@@ -46,16 +48,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     import core_kv.presses  # noqa: F401
-    from core_kv.budget import budget_split
+    from core_kv.budget import budget_split, protected_mask, top_free
     from core_kv.config import load_config
     from core_kv.core_model import CoreModel
     from core_kv.distill.config import TrainConfig
     from core_kv.distill.evaluate import EVAL_OFFSET
     from core_kv.distill.replay import ReplaySpec, capture, replay_layer
-    from core_kv.kernels import normalised_beta_b
+    from core_kv.nystrom import normalised_beta_b
     from core_kv.presses import build_press
     from core_kv.teacher.docs import event_times, load_model, make_docs
-    from core_kv.teacher.metrics import protected_mask, set_quality, top_free
+    from core_kv.teacher.metrics import set_quality
 
     torch.set_num_threads(args.threads)
     run = Path(args.run)

@@ -17,9 +17,9 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from core_kv.features import FEATURE_SPECS, spec, spec_differences
+from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
-from core_kv.teacher.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
 
 ARTIFACT_VERSION = 1
 

@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from core_kv.io import atomic_write
-from core_kv.kernels import leverage, normalised_beta_b
+from core_kv.files import atomic_write
+from core_kv.nystrom import leverage, normalised_beta_b
 
 FEATURE_SPEC_VERSION = 1  # the default for new teacher runs (TeacherConfig.features)
 FEATURE_NAMES = (

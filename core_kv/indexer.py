@@ -78,13 +78,3 @@ class CoreIndexer(nn.Module):
 
 
 __all__ = ["CoreIndexer", "indexer_mlp"]
-
-
-def __getattr__(name: str):
-    """``from core_kv.indexer import CoreModel`` (where the artifact lived before :mod:`core_kv.core_model`) still
-    works: the artifact classes are looked up there."""
-    if name in ("ARTIFACT_VERSION", "CoreConfig", "CorePreTrainedModel", "CoreModel", "check_artifact"):
-        import core_kv.core_model
-
-        return getattr(core_kv.core_model, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

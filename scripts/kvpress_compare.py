@@ -50,7 +50,7 @@ KVPRESS_CLASSES = {
 
 
 def _write_json(path: Path, obj) -> None:
-    """Atomic write (``core_kv.io.atomic_write_json``'s job; ``run`` must not import core_kv in kvpress's venv)."""
+    """Atomic write (``core_kv.files.atomic_write_json``'s job; ``run`` must not import core_kv in kvpress's venv)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))

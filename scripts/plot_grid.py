@@ -64,7 +64,7 @@ def plot_length_curves(cells: list[dict], path: Path, title: str) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from core_kv.io import atomic_write
+    from core_kv.files import atomic_write
 
     ratios = sorted({c["ratio"] for c in cells if c["ratio"] > 0})
     if not ratios:

@@ -19,9 +19,9 @@ FLOORS: list[tuple[str, ...]] = [
     (
         "core_kv",
         "core_kv.config",
-        "core_kv.io",
-        "core_kv.resources",
-        "core_kv.kernels",
+        "core_kv.files",
+        "core_kv.corpus",
+        "core_kv.nystrom",
         "core_kv.budget",
         "core_kv.models",
     ),
@@ -55,15 +55,20 @@ def modules() -> dict[str, Path]:
 
 
 def imports(path: Path, top_level_only: bool = False) -> list[tuple[int, str]]:
-    """``(line, module)`` of every ``core_kv`` import in ``path``."""
+    """``(line, module)`` of every ``core_kv`` import in ``path``; ``top_level_only``: those the module runs (or a type
+    checker reads) at import time, i.e. its body and top-level ``if`` blocks (``if TYPE_CHECKING:`` included: an
+    annotation-only import still ties two modules into a circle)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    nodes = tree.body if top_level_only else ast.walk(tree)
+    if top_level_only:
+        nodes = [n for top in tree.body for n in ([top] if not isinstance(top, ast.If) else ast.walk(top))]
+    else:
+        nodes = ast.walk(tree)
     found = []
     for node in nodes:
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "core_kv"]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "core_kv":  # from core_kv import resources
+            if node.module == "core_kv":  # from core_kv import corpus
                 found += [(node.lineno, f"core_kv.{a.name}") for a in node.names]
             elif node.module.startswith("core_kv."):
                 found.append((node.lineno, node.module))
@@ -112,6 +117,37 @@ def test_no_import_cycles_at_module_level():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+# What inference loads (the artifact, the presses, the pipeline) never reaches into the offline stages: the teacher,
+# distillation and the proxy LM's trainer.
+INFERENCE = ("core_kv.presses", "core_kv.pipeline", "core_kv.core_model", "core_kv.indexer", "core_kv.memory",
+             "core_kv.geometry", "core_kv.features", "core_kv.budget")  # fmt: skip
+OFFLINE = ("core_kv.teacher", "core_kv.distill", "core_kv.proxy")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith(INFERENCE)))
+def test_inference_imports_no_offline_stage(name):
+    bad = [f"line {line}: {t}" for line, t in imports(MODULES[name]) if t.startswith(OFFLINE)]
+    assert not bad, f"{name} is on the inference path but imports an offline stage: {bad}"
+
+
+def test_the_checker_sees_a_type_checking_import(tmp_path):
+    """An import under ``if TYPE_CHECKING:`` counts toward module-level cycles (the distill/ circle of a Trainer)."""
+    f = tmp_path / "m.py"
+    f.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from core_kv.distill.trainer import Trainer\n"
+    )
+    assert imports(f, top_level_only=True) == [(3, "core_kv.distill.trainer")]
+
+
+def test_no_compatibility_shims():
+    """No module answers for names it does not define (a module-level ``__getattr__``): moved code is imported from
+    where it lives. A package's ``__init__`` may still export its own submodules' names lazily."""
+    shims = [n for n, p in MODULES.items() if p.name != "__init__.py" and any(
+        isinstance(node, ast.FunctionDef) and node.name == "__getattr__" for node in ast.parse(p.read_text()).body
+    )]  # fmt: skip
+    assert not shims, f"module-level __getattr__ shims: {shims}"
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):

@@ -15,11 +15,12 @@ from transformers import DynamicCache
 
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer
+from core_kv.geometry import FingerprintMismatch, model_fingerprint
 from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from core_kv.presses.core import CorePress, certificate_terms
-from core_kv.teacher.geometry import FingerprintMismatch, fit_geometry, model_fingerprint
+from core_kv.teacher.geometry import fit_geometry
 from tests.conftest import tiny_model
 
 N = 200
@@ -477,7 +478,7 @@ def test_adaptive_head_budgets_follow_adakv_over_the_calibrated_distribution(art
     """``head_budgets="adaptive"``: every layer keeps exactly Hkv·B entries, split across its KV heads by AdaKV's
     rule over p (checked against the rule written out); each head's evicted entries, and only those, are written;
     the answer reads the ragged cache and the memory."""
-    from core_kv.teacher.metrics import protected_mask
+    from core_kv.budget import protected_mask
 
     _, path = artifact
     b = N // 4
@@ -613,7 +614,7 @@ def test_output_head_pool_ranks_by_expected_attentions_formula_over_p(artifact, 
     """``head_pool="output"``: the heads of a layer compete on ``(p + ε) · ‖v‖`` (AdaKV's rule written out over
     that quantity, p the calibrated distribution, v the layer's values); with ``pool_layers="1"`` layer 0 pools p
     as before. Each layer still keeps Hkv·B entries."""
-    from core_kv.teacher.metrics import protected_mask
+    from core_kv.budget import protected_mask
 
     _, path = artifact
     b, eps = N // 4, 0.05
@@ -639,7 +640,7 @@ def test_output_head_pool_ranks_by_expected_attentions_formula_over_p(artifact, 
 def test_split_head_pool_sizes_heads_by_output_and_fills_them_by_p(artifact, llama):
     """``head_pool="split"``: each head's budget is its count in the ``head_pool="output"`` split, and the head
     keeps its protected positions plus its top by p up to that count (written out naively)."""
-    from core_kv.teacher.metrics import protected_mask
+    from core_kv.budget import protected_mask
 
     _, path = artifact
     b, eps = N // 4, 0.05
@@ -680,7 +681,7 @@ def test_repair_runs_twinkvs_pass_on_cores_sets(artifact, llama, head_budgets, d
     """``repair=True``: every head's retained set is CORE's set after TwinKV's repair pass (post-RoPE keys, CORE's
     protected positions never donate; donors most redundant first, or lowest p first with ``repair_donors="mass"``),
     so each head keeps the same number of entries; the evicted mass ε̂ is that of the repaired set."""
-    from core_kv.teacher.metrics import protected_mask
+    from core_kv.budget import protected_mask
 
     _, path = artifact
     tau, b = 0.3, N // 4

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from core_kv.geometry import FingerprintMismatch, model_fingerprint
 from core_kv.models.cache import layer_lengths
 from core_kv.models.loading import load_model
 from core_kv.presses import build_press
-from core_kv.teacher.geometry import FingerprintMismatch, model_fingerprint
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 ARTIFACTS = {1: CHECKPOINTS / "core-smollm2" / "final", 2: CHECKPOINTS / "core-smollm2-v2" / "final"}

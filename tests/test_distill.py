@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from core_kv.budget import protected_mask
 from core_kv.distill.losses import (
     calibration_error,
     excluded_mass,
@@ -17,8 +18,8 @@ from core_kv.distill.losses import (
     topb_overlap,
 )
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer, segment_attention
-from core_kv.teacher.geometry import fit_geometry, model_fingerprint
-from core_kv.teacher.metrics import protected_mask
+from core_kv.geometry import model_fingerprint
+from core_kv.teacher.geometry import fit_geometry
 
 
 def test_kl_matches_naive():

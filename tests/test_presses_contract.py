@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import capture
+from core_kv.geometry import model_fingerprint
 from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa, window_layers
 from core_kv.models.cache import HeadGroup, RaggedKV, RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.models.tiny import FAMILIES, tiny_lm
@@ -32,7 +33,7 @@ from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES, BasePress, ScorerPress
 from core_kv.presses import build_press as _build_press
 from core_kv.presses.core import CorePress
-from core_kv.teacher.geometry import fit_geometry, model_fingerprint
+from core_kv.teacher.geometry import fit_geometry
 
 NAMES = sorted(PRESSES)
 N_CTX = 200

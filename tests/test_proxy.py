@@ -43,7 +43,7 @@ def test_tokenizer_round_trip_digits_and_keys(tok):
     assert ids[0] == tok.bos_token_id  # Llama-style bos from the post-processor
     assert tok.decode(ids, skip_special_tokens=True) == text
     assert tok.tokenize(" 1234567") == ["Ġ", "1", "2", "3", "4", "5", "6", "7"]  # one token per digit
-    from core_kv.resources import words
+    from core_kv.corpus import words
 
     rng = random.Random(0)
     pre = tok.backend_tokenizer.pre_tokenizer
@@ -95,7 +95,7 @@ def _needle_prompt(seed: int, lines: int, kind: str = "number", distractors: int
     type (``number`` or ``uuid``)."""
     import uuid
 
-    from core_kv.resources import words
+    from core_kv.corpus import words
 
     rng = random.Random(seed)
 
@@ -159,8 +159,8 @@ def test_answers_fixed_needle_prompts_with_full_cache(model, tok, kind, lines, d
 def test_held_out_essays_never_in_training_data(gen):
     import re
 
+    from core_kv.corpus import essay_files, sent_tokenize
     from core_kv.proxy.data import HELD_OUT_WORDS, held_out_essays, training_sentences
-    from core_kv.resources import essay_files, sent_tokenize
 
     held = held_out_essays()
     files = essay_files()

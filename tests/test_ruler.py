@@ -269,7 +269,7 @@ def test_adj_noun_words_matches_sorted_set_on_nested_keys():
 
 @pytest.mark.slow
 def test_adj_noun_words_matches_upstream_list():
-    from core_kv.resources import words
+    from core_kv.corpus import words
 
     expected = sorted({f"{a}-{n}" for a in words("adjectives") for n in words("nouns")})
     lazy = ruler._key_words()

@@ -16,7 +16,7 @@ from core_kv.eval import benchmarks as bm
 from core_kv.eval.benchmarks import EmptyDatasetError, write_samples
 from core_kv.eval.runner import EvalConfig, cell_dir, run_eval
 from core_kv.eval.schema import Sample
-from core_kv.io import read_jsonl
+from core_kv.files import read_jsonl
 from core_kv.models.loading import ContextWindowError
 from core_kv.presses import PRESSES
 
@@ -369,11 +369,15 @@ def test_plot_grid_script_reads_cells_and_writes_png(tmp_path):
 
     mod = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "plot_grid.py"))
     good = tmp_path / "grid.csv"
-    good.write_text("method,ratio,average,results\nfull,0,76.0,results/a\nkeydiff,0.75,25.0,results/b\n"
-                    "keydiff,0.9,14.6,results/b\n")
+    good.write_text(
+        "method,ratio,average,results\nfull,0,76.0,results/a\nkeydiff,0.75,25.0,results/b\nkeydiff,0.9,14.6,results/b\n"
+    )
     cells = mod["read_cells"](good)
     assert [(c["method"], c["ratio"], c["average"]) for c in cells] == [
-        ("full", 0.0, 76.0), ("keydiff", 0.75, 25.0), ("keydiff", 0.9, 14.6)]
+        ("full", 0.0, 76.0),
+        ("keydiff", 0.75, 25.0),
+        ("keydiff", 0.9, 14.6),
+    ]
     png = mod["main"]([str(good), str(tmp_path / "g.png"), "--title", "t"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = tmp_path / "bad.csv"
@@ -385,8 +389,10 @@ def test_plot_grid_script_reads_cells_and_writes_png(tmp_path):
         mod["read_cells"](tmp_path / "cols.csv")
     # a needle grid: a length column switches to score vs length, one panel per ratio
     grid = tmp_path / "needles.csv"
-    grid.write_text("method,ratio,length,average\nfull,0,1024,90\nfull,0,2048,80\ncore,0.75,1024,50\n"
-                    "core,0.75,2048,40\ncore,0.9,1024,20\n")
+    grid.write_text(
+        "method,ratio,length,average\nfull,0,1024,90\nfull,0,2048,80\ncore,0.75,1024,50\n"
+        "core,0.75,2048,40\ncore,0.9,1024,20\n"
+    )
     cells = mod["read_cells"](grid)
     assert [(c["method"], c["ratio"], c["length"]) for c in cells][2:4] == [("core", 0.75, 1024), ("core", 0.75, 2048)]
     png = mod["main"]([str(grid), str(tmp_path / "n.png")])

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core_kv.kernels import rbf
-from core_kv.teacher.geometry import FingerprintMismatch, Geometry, fit_geometry, spherical_kmeans
+from core_kv.geometry import FingerprintMismatch, Geometry
+from core_kv.nystrom import rbf
+from core_kv.teacher.geometry import fit_geometry, spherical_kmeans
 
 
 def _keys(n=600, d=8, clusters=5, seed=0):

@@ -109,7 +109,7 @@ def test_reader_refuses_mismatches(one_proc, tmp_path):
     out, _ = one_proc
     cfg = load_config(TeacherConfig, TINY)
     model, _ = load_model(cfg.model, torch.device("cpu"))
-    from core_kv.teacher.geometry import model_fingerprint
+    from core_kv.geometry import model_fingerprint
 
     fp = model_fingerprint(model)
     TeacherDataset(out, fingerprint=fp, teacher={"lam": 1.0, "steps": 8})  # matches

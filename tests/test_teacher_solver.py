@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_kv.budget import budget_split
-from core_kv.kernels import coverage_logdet, kmm_inverse_sqrt, leverage, normalised_beta_b, nystrom_features
-from core_kv.teacher.metrics import greedy_select, protected_mask, set_quality
+from core_kv.budget import budget_split, protected_mask
+from core_kv.nystrom import coverage_logdet, kmm_inverse_sqrt, leverage, normalised_beta_b, nystrom_features
+from core_kv.teacher.metrics import greedy_select, set_quality
 from core_kv.teacher.solver import objective, solve_allocation
 
 

@@ -120,7 +120,7 @@ def test_folder_listing_and_artifact(reference):
 
 def test_artifact_refuses_other_base_model(reference, llama):
     from core_kv.core_model import CoreModel
-    from core_kv.teacher.geometry import FingerprintMismatch
+    from core_kv.geometry import FingerprintMismatch
 
     other = __import__("conftest").tiny_model("llama", seed=3)
     with pytest.raises(FingerprintMismatch, match="k_proj_digest"):

@@ -106,11 +106,11 @@ def test_micro_batched_step_equals_one_padded_batch(tmp_path):
     from transformers import AutoTokenizer
 
     from core_kv.proxy.data import Generator
+    from core_kv.proxy.tokenizer import build_proxy_tokenizer
     from core_kv.proxy.train import (
         ProxyModelConfig,
         RetrievalHead,
         build_model,
-        build_proxy_tokenizer,
         collate,
         lm_selection,
         train_step_loss,
@@ -163,7 +163,7 @@ def test_answer_tokens_point_at_their_needle_tokens(tmp_path):
     from transformers import AutoTokenizer
 
     from core_kv.proxy.data import Generator
-    from core_kv.proxy.train import build_proxy_tokenizer
+    from core_kv.proxy.tokenizer import build_proxy_tokenizer
 
     build_proxy_tokenizer(512, key_words=False, uuid_chars=True).save_pretrained(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
@@ -187,7 +187,7 @@ def test_key_gather_targets_are_the_keys_last_token(tmp_path):
     from transformers import AutoTokenizer
 
     from core_kv.proxy.data import Generator
-    from core_kv.proxy.train import build_proxy_tokenizer
+    from core_kv.proxy.tokenizer import build_proxy_tokenizer
 
     build_proxy_tokenizer(512, key_words=False).save_pretrained(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(tmp_path / "tok")

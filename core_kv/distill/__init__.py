@@ -6,7 +6,7 @@
 - :mod:`~core_kv.distill.steps`: the trainable steps (teacher-record warm-up, on-policy replay, memory).
 - :mod:`~core_kv.distill.loop`: the generic resumable stage loop (Accelerate accumulation, checkpoints, resume).
 - :mod:`~core_kv.distill.stages`: the stages in order (indexer warm-up + on-policy indexer, calibration, memory).
-- :mod:`~core_kv.distill.evaluate`, :mod:`~core_kv.distill.profile`, :mod:`~core_kv.distill.report`: held-out
+- :mod:`~core_kv.distill.evaluate`, :mod:`~core_kv.distill.timing`, :mod:`~core_kv.distill.report`: held-out
   evaluation, the step-time breakdown, the console summary and ``report.md``.
 - :mod:`~core_kv.distill.trainer`: ``train(cfg)``: the run's setup (base model, teacher data, CORE model), what a
   rerun keeps, the stages in order, the final artifact.

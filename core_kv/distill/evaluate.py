@@ -8,27 +8,24 @@ ranks and summarised per ratio (the ``eval`` part of ``summary.json``).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from core_kv.budget import budget_split
+from core_kv.budget import budget_split, protected_mask, top_free
+from core_kv.distill.context import RunContext
 from core_kv.distill.losses import calibration_error, excluded_mass, kl_to_teacher, topb_overlap
-from core_kv.distill.profile import profile
 from core_kv.distill.replay import replay_layer
 from core_kv.distill.steps import DocItem, MemoryStep
-from core_kv.kernels import normalised_beta_b
-from core_kv.teacher.metrics import greedy_select, protected_mask, set_quality, top_free
-
-if TYPE_CHECKING:
-    from core_kv.distill.trainer import Trainer
+from core_kv.distill.timing import profile
+from core_kv.nystrom import normalised_beta_b
+from core_kv.teacher.metrics import greedy_select, set_quality
 
 EVAL_OFFSET = 2_100_000  # held-out document indices, after the calibration documents' (stages.CALIB_OFFSET)
 
 
 @torch.no_grad()
-def evaluate(tr: Trainer) -> dict:
+def evaluate(tr: RunContext) -> dict:
     """Held-out report: KL, Top-B overlap, Table 7 rows, calibration, memory error (gathered over ranks)."""
     cfg, acc = tr.cfg, tr.acc
     idx = tr.core.indexer

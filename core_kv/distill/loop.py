@@ -16,17 +16,14 @@ import time
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from core_kv.io import atomic_write
-
-if TYPE_CHECKING:
-    from core_kv.distill.trainer import Trainer
+from core_kv.distill.context import RunContext
+from core_kv.files import atomic_write
 
 
 class Interrupted(RuntimeError):
@@ -56,7 +53,7 @@ def lr_at(step: int, total: int, base: float, warmup: int) -> float:
     return base * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0))))
 
 
-def run_stage(tr: Trainer, name: str, module, params_of, items: list, total: int, scfg, per_micro: int) -> None:
+def run_stage(tr: RunContext, name: str, module, params_of, items: list, total: int, scfg, per_micro: int) -> None:
     """Optimise ``module`` for ``total`` optimizer steps over ``items`` (already in global order)."""
     cfg, acc = tr.cfg, tr.acc
     done = tr.stage_file(name)
@@ -127,7 +124,7 @@ def run_stage(tr: Trainer, name: str, module, params_of, items: list, total: int
     tr.global_step = base + total
 
 
-def _load_latest_state(tr: Trainer, name: str, root: Path, module, optimizer) -> int:
+def _load_latest_state(tr: RunContext, name: str, root: Path, module, optimizer) -> int:
     """Load the newest readable ``root/step_*`` and return its step (0: none); unreadable ones are skipped with a
     warning naming them, and whatever a failed load had already set is restored first."""
     steps = _steps(root)
@@ -152,7 +149,7 @@ def _load_latest_state(tr: Trainer, name: str, root: Path, module, optimizer) ->
     return 0
 
 
-def _save_state(tr: Trainer, root: Path, step: int) -> None:
+def _save_state(tr: RunContext, root: Path, step: int) -> None:
     acc = tr.acc
     tmp, final = root / f".tmp-step_{step:06d}", root / f"step_{step:06d}"
     if tr.main and tmp.exists():
@@ -169,7 +166,7 @@ def _save_state(tr: Trainer, root: Path, step: int) -> None:
     acc.wait_for_everyone()
 
 
-def _save_stage(tr: Trainer, name: str, target: dict) -> None:
+def _save_stage(tr: RunContext, name: str, target: dict) -> None:
     if tr.main:
         tensors = {k: v.detach().cpu().contiguous() for k, v in target.items()}
         atomic_write(tr.stage_file(name), lambda tmp: save_file(tensors, tmp))

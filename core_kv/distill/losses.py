@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from core_kv.teacher.metrics import top_free
+from core_kv.budget import top_free
 
 LOGIT_CLIP = 1e-4  # ε̂ and α are clipped to [1e-4, 1 − 1e-4] before the logit
 

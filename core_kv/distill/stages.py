@@ -1,6 +1,6 @@
 """The four stages of ``train(cfg)``, in order: indexer warm-up + on-policy indexer, calibration, latent memory.
 
-Each takes the run's :class:`~core_kv.distill.trainer.Trainer` (base model, teacher data, CORE model, documents) and
+Each takes the run's :class:`~core_kv.distill.context.RunContext` (base model, teacher data, CORE model, documents) and
 trains or fits one part of ``tr.core``; the optimised ones run through :func:`~core_kv.distill.loop.run_stage`.
 """
 
@@ -9,23 +9,20 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
+from core_kv.distill.context import RunContext
 from core_kv.distill.loop import run_stage
 from core_kv.distill.losses import fit_temperature
 from core_kv.distill.replay import replay_layer
 from core_kv.distill.steps import MemoryStep, OnPolicyStep, WarmupStep
-from core_kv.io import atomic_write_json
-
-if TYPE_CHECKING:
-    from core_kv.distill.trainer import Trainer
+from core_kv.files import atomic_write_json
 
 CALIB_OFFSET = 2_000_000  # held-out document indices (the teacher uses 0.. and 1_000_000.. for geometry)
 
 
-def train_indexer(tr: Trainer) -> None:
+def train_indexer(tr: RunContext) -> None:
     """Stages ``indexer_warmup`` (teacher records) and ``indexer`` (on-policy replay of training documents)."""
     cfg, ic = tr.cfg, tr.cfg.indexer
     idx = tr.core.indexer
@@ -43,7 +40,7 @@ def train_indexer(tr: Trainer) -> None:
     run_stage(tr, "indexer", step, params, items, ic.steps, ic, cfg.micro_batch)
 
 
-def calibrate(tr: Trainer) -> dict:
+def calibrate(tr: RunContext) -> dict:
     """Fit T_l on held-out documents so ε̂ matches the true evicted mass; returns the errors per layer."""
     cfg, acc = tr.cfg, tr.acc
     path = tr.out / "stages" / "calibration.json"
@@ -105,7 +102,7 @@ def calibrate(tr: Trainer) -> dict:
     return res
 
 
-def train_memory(tr: Trainer) -> None:
+def train_memory(tr: RunContext) -> None:
     """Stage ``memory``: the latent memory on the frozen, calibrated indexer's evictions."""
     cfg, mc = tr.cfg, tr.cfg.memory
     for p in tr.core.indexer.parameters():

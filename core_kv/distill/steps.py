@@ -21,14 +21,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from core_kv.budget import protected_mask
 from core_kv.distill.losses import kl_to_teacher, memory_loss, relative_error, topb_boundary_bce, topb_overlap
 from core_kv.distill.replay import ReplaySpec, Timer, capture, cascade_capture, replay_layer, segment_attention
+from core_kv.geometry import Geometry
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import LatentMemory, write_weights
 from core_kv.teacher.dataset import TeacherRecord
 from core_kv.teacher.docs import Doc, event_times
-from core_kv.teacher.geometry import Geometry
-from core_kv.teacher.metrics import protected_mask
 
 
 @dataclass
@@ -40,7 +40,7 @@ class DocItem:
 
 
 @dataclass
-class Context:
+class StepContext:
     """Frozen things a step needs (not part of the trained module)."""
 
     model: nn.Module
@@ -115,10 +115,10 @@ class OnPolicyStep(nn.Module):
     """Replay with the student's own retained sets; KL to the teacher's p* computed on those candidates.
 
     With ``cascade`` the activations (and so the teacher's future queries) come from the compressed cascade
-    (:meth:`Context.cascade_acts`, the student's current weights choosing every layer's evictions), not from the
+    (:meth:`StepContext.cascade_acts`, the student's current weights choosing every layer's evictions), not from the
     full-cache forward."""
 
-    def __init__(self, indexer: CoreIndexer, ctx: Context, rank_weight: float, cascade: bool = False):
+    def __init__(self, indexer: CoreIndexer, ctx: StepContext, rank_weight: float, cascade: bool = False):
         super().__init__()
         self.indexer = indexer
         self.__dict__["ctx"] = ctx  # frozen: kept out of the module tree
@@ -167,7 +167,9 @@ class OnPolicyStep(nn.Module):
 class MemoryStep(nn.Module):
     """Replay with real evictions by the frozen, calibrated indexer; train ``W_φ`` and the gate."""
 
-    def __init__(self, memory: LatentMemory, indexer: CoreIndexer, ctx: Context, write_rule: str, gate_weight: float):
+    def __init__(
+        self, memory: LatentMemory, indexer: CoreIndexer, ctx: StepContext, write_rule: str, gate_weight: float
+    ):
         super().__init__()
         self.memory = memory
         self.__dict__["ctx"] = ctx

@@ -28,7 +28,7 @@ resuming only; ``final/`` holds only ``config.json`` and safetensors.
 
 This module sets the run up and decides what a rerun keeps; the parts live beside it, one concern each:
 :mod:`~core_kv.distill.loop` (the generic resumable stage loop), :mod:`~core_kv.distill.stages` (indexer,
-calibration, memory), :mod:`~core_kv.distill.evaluate` (held-out evaluation), :mod:`~core_kv.distill.profile`
+calibration, memory), :mod:`~core_kv.distill.evaluate` (held-out evaluation), :mod:`~core_kv.distill.timing`
 (step-time breakdown) and :mod:`~core_kv.distill.report` (console summary, ``report.md``).
 """
 
@@ -43,20 +43,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from core_kv.config import to_dict
 from core_kv.core_model import CoreConfig, CoreModel
+from core_kv.distill.context import RunContext
 from core_kv.distill.evaluate import evaluate
 from core_kv.distill.loop import Interrupted
-from core_kv.distill.profile import timing
-from core_kv.distill.replay import ReplaySpec, Timer
+from core_kv.distill.replay import ReplaySpec
 from core_kv.distill.report import distill_report_markdown, format_summary
 from core_kv.distill.stages import calibrate, train_indexer, train_memory
-from core_kv.distill.steps import Context, DocItem
-from core_kv.io import atomic_write_json, atomic_write_text
+from core_kv.distill.timing import timing
+from core_kv.files import atomic_write_json, atomic_write_text
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
-from core_kv.teacher.docs import load_model, make_docs
+from core_kv.teacher.docs import load_model
 from core_kv.teacher.run import run_teacher
 
 __all__ = ["STAGES", "Interrupted", "Trainer", "train"]
@@ -93,22 +92,14 @@ def _accelerator(cfg):
     )
 
 
-class Trainer:
-    """The run's shared objects (accelerator, frozen base model, teacher data, CORE model, documents, timers) and its
-    folder layout; :func:`train` runs the stages of :mod:`~core_kv.distill.stages` on it in order."""
+class Trainer(RunContext):
+    """Sets a run up (base model, teacher data, CORE model, W&B) and decides what a rerun keeps; the stages of
+    :mod:`~core_kv.distill.stages` read the shared objects through :class:`~core_kv.distill.context.RunContext`."""
 
     def __init__(self, cfg):
-        self.cfg = cfg
-        self.out = Path(cfg.out_dir)
-        self.acc = _accelerator(cfg)
-        self.main = self.acc.is_main_process
-        self.global_step = 0
-        self.run_steps = 0  # optimizer steps taken by this invocation (for stop_after)
-        self.timers: dict[str, Timer] = {}
-
-    def print(self, *a) -> None:
-        if self.main:
-            tqdm.write(" ".join(str(x) for x in a))
+        out = Path(cfg.out_dir)
+        acc = _accelerator(cfg)
+        super().__init__(cfg=cfg, out=out, acc=acc, main=acc.is_main_process)
 
     def load_base(self) -> dict:
         """Load the frozen base model (and tokenizer); returns its fingerprint."""
@@ -117,7 +108,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         from accelerate.utils import set_seed
 
-        from core_kv.teacher.geometry import model_fingerprint
+        from core_kv.geometry import model_fingerprint
 
         set_seed(cfg.seed)
         spec = cfg.teacher.model
@@ -181,14 +172,18 @@ class Trainer:
         fp = self.fingerprint
         params = cfg.teacher.teacher_params()
         try:
-            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features)
+            self.ds = TeacherDataset(
+                cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features
+            )
         except (FileNotFoundError, TeacherDatasetMismatch) as e:
             if not cfg.build_teacher:
                 raise
             self.print(f"teacher data: {e} -> building it (python -m core_kv.teacher equivalent)")
             run_teacher(replace(cfg.teacher, progress=cfg.progress and cfg.teacher.progress))
             acc.wait_for_everyone()
-            self.ds = TeacherDataset(cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features)
+            self.ds = TeacherDataset(
+                cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features
+            )
         self.print(f"teacher data: {self.ds.path} ({len(self.ds)} records)")
         geometry = self.ds.geometry()
         t = self.ds.manifest["teacher"]
@@ -206,7 +201,6 @@ class Trainer:
         self.geometry = self.core.geometry()
         self.spec = ReplaySpec.from_teacher(t, features=self.ds.manifest["feature_spec"]["version"])
         self.autocast = acc.autocast() if acc.mixed_precision != "no" else None
-        self._docs: dict[int, object] = {}
         if cfg.wandb:
             # mode/dir passed explicitly: wandb caches its settings process-wide at first import, so an earlier
             # WANDB_MODE would otherwise win over this run's
@@ -214,28 +208,6 @@ class Trainer:
             if os.environ.get("WANDB_DIR"):
                 wandb_kwargs["dir"] = os.environ["WANDB_DIR"]
             acc.init_trackers(cfg.wandb_project, config=to_dict(cfg), init_kwargs={"wandb": wandb_kwargs})
-
-    def docs(self, indices: list[int]) -> list:
-        missing = [i for i in indices if i not in self._docs]
-        if missing:
-            for d in make_docs(self.cfg.teacher.data, missing, self.tok):
-                self._docs[d.index] = d
-        return [self._docs[i] for i in indices]
-
-    def context(self, name: str) -> Context:
-        self.timers[name] = self.timers.get(name) or Timer(self.acc.device)
-        return Context(self.model, self.geometry, self.spec, self.timers[name], self.autocast)
-
-    def doc_items(self, steps: int) -> list[DocItem]:
-        """The fixed, global data order of a document stage (cycled pool; ratio by position)."""
-        cfg = self.cfg
-        n = steps * cfg.grad_accum * cfg.micro_batch * self.acc.num_processes
-        pool = self.docs(list(range(cfg.train_docs)))
-        return [DocItem(pool[j % len(pool)], cfg.ratios[j % len(cfg.ratios)]) for j in range(n)]
-
-    def stage_file(self, name: str) -> Path:
-        """A finished stage's weights (``stages/<name>.safetensors``)."""
-        return self.out / "stages" / f"{name}.safetensors"
 
     def save_final(self, summary: dict) -> Path:
         cfg, acc = self.cfg, self.acc

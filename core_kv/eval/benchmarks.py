@@ -404,7 +404,7 @@ class JsonlSamples(Benchmark, name="jsonl"):
     ``*.jsonl`` files. For custom data and for tests."""
 
     def load(self, cfg: BenchmarkConfig, tokenizer, seed: int) -> list[Sample]:
-        from core_kv.io import read_jsonl
+        from core_kv.files import read_jsonl
 
         if not cfg.source:
             raise ValueError("the jsonl benchmark needs datasets.<name>.source (a .jsonl file or a folder of them)")
@@ -431,6 +431,6 @@ class JsonlSamples(Benchmark, name="jsonl"):
 
 def write_samples(path: str | Path, samples: list[Sample]) -> Path:
     """Write samples as JSONL for the ``jsonl`` benchmark."""
-    from core_kv.io import atomic_write_text
+    from core_kv.files import atomic_write_text
 
     return atomic_write_text(path, "".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in samples))

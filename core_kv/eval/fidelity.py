@@ -215,8 +215,8 @@ def _text_field(row: Mapping, name: str) -> str:
 
 
 def _held_out_essays() -> Iterable[tuple[str, str]]:
+    from core_kv.corpus import essay_files
     from core_kv.proxy.data import held_out_essays
-    from core_kv.resources import essay_files
 
     held = held_out_essays()
     # The files are hard-wrapped at ~70 columns; RULER's haystack and the proxy's training text both collapse

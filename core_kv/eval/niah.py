@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from core_kv import resources
+from core_kv import corpus
 from core_kv.eval.schema import Sample
-from core_kv.io import atomic_write
+from core_kv.files import atomic_write
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -125,7 +125,7 @@ def insert_needle(
 
 def _haystack_ids(tokenizer: Any, min_tokens: int) -> list[int]:
     """Tokens of the essays (repeated if needed), at least ``min_tokens`` + 1, encoding only a long enough prefix."""
-    essays = resources.essays_text()
+    essays = corpus.essays_text()
     chars = max(4 * min_tokens, 4096)
     while True:
         reps = -(-chars // len(essays))

@@ -136,7 +136,7 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from core_kv.io import atomic_write
+    from core_kv.files import atomic_write
 
     ref = _lookup(cells, REFERENCE, 0.0)
     methods = [m for m in _methods(cells) if m != REFERENCE]
@@ -173,7 +173,7 @@ def benchmark_plots(bench: Benchmark, entry: str, cells: list[dict], out_dir: Pa
     Per-cell figures need the cell's rows, read back from its ``predictions.jsonl``.
     """
     from core_kv.eval.schema import cell_dir
-    from core_kv.io import read_jsonl
+    from core_kv.files import read_jsonl
 
     cells = [c for c in cells if c]
     if not cells:

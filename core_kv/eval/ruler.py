@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from core_kv import resources
+from core_kv import corpus
 from core_kv.eval.schema import Sample
-from core_kv.io import atomic_write_jsonl, read_jsonl
+from core_kv.files import atomic_write_jsonl, read_jsonl
 
 GENERATOR_VERSION = "ruler-head-c3f5e3b/1"
 """Bump when a change alters generated text; it is part of every cache key."""
@@ -327,23 +327,23 @@ class AdjNounWords(Sequence[str]):
 
 @lru_cache(maxsize=1)
 def _key_words() -> AdjNounWords:
-    return AdjNounWords(resources.words("adjectives"), resources.words("nouns"))
+    return AdjNounWords(corpus.words("adjectives"), corpus.words("nouns"))
 
 
 @lru_cache(maxsize=1)
 def _cwe_words_sorted() -> tuple[str, ...]:
-    return tuple(sorted(set(resources.words("nouns") + resources.words("adjectives") + resources.words("verbs"))))
+    return tuple(sorted(set(corpus.words("nouns") + corpus.words("adjectives") + corpus.words("verbs"))))
 
 
 @lru_cache(maxsize=1)
 def _essay_words() -> tuple[str, ...]:
-    return tuple(re.sub(r"\s+", " ", resources.essays_text()).split(" "))
+    return tuple(re.sub(r"\s+", " ", corpus.essays_text()).split(" "))
 
 
 @lru_cache(maxsize=1)
 def essays_sha256() -> str:
     """sha256 of the essay haystack text (part of cache keys of essay tasks)."""
-    return hashlib.sha256(resources.essays_text().encode("utf-8")).hexdigest()
+    return hashlib.sha256(corpus.essays_text().encode("utf-8")).hexdigest()
 
 
 def _wonderwords_version() -> str:
@@ -476,7 +476,7 @@ def _generate_niah(task: RulerTask, max_seq_length: int, num_samples: int, count
                     f"has {len(haystack)}; RULER would continue into further essays, so this length cannot be "
                     "reproduced offline (benchmarks.md §1.5)"
                 )
-            sents = resources.sent_tokenize(" ".join(haystack[:num_haystack]).strip())
+            sents = corpus.sent_tokenize(" ".join(haystack[:num_haystack]).strip())
             cuts = sorted(int(len(sents) * (d / 100)) for d in rng.sample(DEPTHS, len(needles)))
             positions = [0, *cuts, len(sents)]
             parts = []
@@ -729,7 +729,7 @@ def _generate_qa_synth(task: RulerTask, max_seq_length: int, num_samples: int, c
     hops, ttg = task.args["hops"], task.tokens_to_generate
     draws = _Draws(seed)
     rng = draws.py
-    nouns = sorted(set(resources.words("nouns")))
+    nouns = sorted(set(corpus.words("nouns")))
     template = "".join(TEMPLATES["qa"])
 
     def cap(word: str) -> str:

@@ -45,7 +45,7 @@ from core_kv.eval.benchmarks import (
     get_benchmark,
 )
 from core_kv.eval.schema import Sample, cell_dir
-from core_kv.io import atomic_write_json, atomic_write_jsonl, atomic_write_text
+from core_kv.files import atomic_write_json, atomic_write_jsonl, atomic_write_text
 from core_kv.models.loading import check_context_window, default_model, load_model, model_label
 from core_kv.presses.base import PRESSES, BasePress, build_press
 

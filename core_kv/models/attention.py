@@ -271,6 +271,7 @@ class LayerQKV:
     q_post: torch.Tensor  # (H, T, D)
     k_post: torch.Tensor  # (Hkv, T, D)
     scaling: float
+    window: int | None = None  # a hybrid model's sliding-window layer (never compressed; training skips it)
 
     @property
     def groups(self) -> int:

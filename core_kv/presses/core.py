@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core_kv.budget import protected_mask, top_free
 from core_kv.config import parse_layers
 from core_kv.core_model import CoreModel
 from core_kv.features import FEATURE_NAMES, OBS_WINDOW, compute_features, observation_attention
@@ -55,7 +56,6 @@ from core_kv.models.cache import RaggedLayer
 from core_kv.presses.adakv import adaptive_keep, keep_top_per_head
 from core_kv.presses.base import BasePress
 from core_kv.presses.twin_repair import repair
-from core_kv.teacher.metrics import protected_mask, top_free
 
 ALLOCATIONS = ("indexer", "expected_attention", "keydiff")
 HEAD_BUDGETS = ("uniform", "adaptive")

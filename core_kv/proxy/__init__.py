@@ -9,6 +9,6 @@
 
 The package is not the model adapter (:mod:`core_kv.models`, which every press relies on); a proxy checkpoint is a
 plain Llama folder loaded like any other model. ``tokenizer``, ``data`` and ``train`` import only the floor
-(:mod:`core_kv.models`, :mod:`core_kv.resources`, config/io); ``evaluate`` uses RULER from :mod:`core_kv.eval` and sits
+(:mod:`core_kv.models`, :mod:`core_kv.corpus`, config/io); ``evaluate`` uses RULER from :mod:`core_kv.eval` and sits
 above it (``docs/architecture.md``).
 """

@@ -10,7 +10,7 @@ recipe follows ``shared/research/proxy_feasibility.md``:
   targets per sequence);
 - each batch draws one target length from the current curriculum phase and holds about ``tokens_per_step`` tokens.
 
-Held-out essays: RULER's essay haystack is the 49 essays sorted and concatenated (``resources.essays_text``); at
+Held-out essays: RULER's essay haystack is the 49 essays sorted and concatenated (``corpus.essays_text``); at
 evaluation lengths it uses only its first words. Every essay that overlaps the first ``HELD_OUT_WORDS`` words is
 excluded from training (``held_out_essays``), so evaluation haystacks are unseen text. Seed 42 (RULER's evaluation
 seed) is refused.
@@ -27,8 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from core_kv.corpus import essay_files, sent_tokenize, words
 from core_kv.proxy.tokenizer import NOISE_LINE
-from core_kv.resources import essay_files, sent_tokenize, words
 
 RULER_SEED = 42
 HELD_OUT_WORDS = 16_000  # words of RULER's haystack prefix kept unseen (≈27k proxy tokens, far beyond 4k contexts)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from core_kv.eval.ruler import RULER_11
-from core_kv.io import atomic_write_json
+from core_kv.files import atomic_write_json
 
 TASKS = RULER_11  # evaluated in RULER's order
 

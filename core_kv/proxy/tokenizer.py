@@ -150,3 +150,17 @@ def default_corpus(
         "the chain(s) of variable assignment in the text above, 5 variables are assigned the value 12345, they are: "
     ] * 50
     return lines
+
+
+def build_proxy_tokenizer(
+    base_vocab: int = 4096, key_words: bool = True, uuid_chars: bool = False, key_sentences: int | None = None
+):
+    """The proxy tokenizer trained on the training essays only (see :mod:`core_kv.proxy.tokenizer`)."""
+    from core_kv.corpus import essay_files, words
+    from core_kv.proxy.data import held_out_essays
+
+    held = held_out_essays()
+    essays = [f.read_text(encoding="utf-8") for f in essay_files() if f.stem not in held]
+    adjs, nouns = words("adjectives"), words("nouns")
+    corpus = default_corpus(essays, adjs, nouns, key_sentences)
+    return build_tokenizer(corpus, adjs, nouns, base_vocab=base_vocab, key_words=key_words, uuid_chars=uuid_chars)

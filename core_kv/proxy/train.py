@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from core_kv.config import load_config, to_dict
-from core_kv.io import atomic_write_json, read_jsonl
+from core_kv.files import atomic_write_json, read_jsonl
+from core_kv.proxy.tokenizer import build_proxy_tokenizer
 
 FULL_MIX = {
     "niah_single_1": 0.14,
@@ -149,21 +150,6 @@ class ProxyTrainConfig:
 
 
 # ---- tokenizer and model ---------------------------------------------------------------------------------------
-def build_proxy_tokenizer(
-    base_vocab: int = 4096, key_words: bool = True, uuid_chars: bool = False, key_sentences: int | None = None
-):
-    """The proxy tokenizer trained on the training essays only (see :mod:`core_kv.proxy.tokenizer`)."""
-    from core_kv.proxy.data import held_out_essays
-    from core_kv.proxy.tokenizer import build_tokenizer, default_corpus
-    from core_kv.resources import essay_files, words
-
-    held = held_out_essays()
-    essays = [f.read_text(encoding="utf-8") for f in essay_files() if f.stem not in held]
-    adjs, nouns = words("adjectives"), words("nouns")
-    corpus = default_corpus(essays, adjs, nouns, key_sentences)
-    return build_tokenizer(corpus, adjs, nouns, base_vocab=base_vocab, key_words=key_words, uuid_chars=uuid_chars)
-
-
 def build_model(cfg: ProxyModelConfig, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -2,7 +2,7 @@
 
 - :mod:`~core_kv.teacher.geometry`: per (layer, KV head) key projection and 64 fixed coverage prototypes.
 - :mod:`~core_kv.teacher.utility`: future-query utility ``π_U`` from full-cache attention.
-- :mod:`~core_kv.kernels` (on the floor, shared with :mod:`core_kv.features`): Nyström features and the log-det
+- :mod:`~core_kv.nystrom` (on the floor, shared with :mod:`core_kv.features`): Nyström features and the log-det
   coverage term with its leverage gradient.
 - :mod:`~core_kv.teacher.solver`: ``p* = argmax −KL(p‖π_U) + λ F_cov(p)`` by damped mirror ascent (R0 = 8).
 - :mod:`~core_kv.teacher.metrics`: Table 5 residuals/agreement and Table 7 set quality.
@@ -18,8 +18,9 @@ Imports (``docs/architecture.md``): the teacher sits above :mod:`core_kv.feature
 features) and the kernel math on the floor; the namespace re-exports the base stage only.
 """
 
-from core_kv.kernels import coverage_logdet, leverage, nystrom_features
-from core_kv.teacher.geometry import Geometry, fit_geometry, model_fingerprint
+from core_kv.geometry import Geometry, model_fingerprint
+from core_kv.nystrom import coverage_logdet, leverage, nystrom_features
+from core_kv.teacher.geometry import fit_geometry
 from core_kv.teacher.solver import solve_allocation
 from core_kv.teacher.utility import future_utility
 

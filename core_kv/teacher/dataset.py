@@ -34,8 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core_kv.features import FEATURE_SPEC_VERSION, FEATURE_SPECS, spec_differences
-from core_kv.io import atomic_write
-from core_kv.teacher.geometry import FingerprintMismatch, check_fingerprint
+from core_kv.files import atomic_write
+from core_kv.geometry import FingerprintMismatch, check_fingerprint
 
 FORMAT = "core_kv.teacher/1"
 MANIFEST = "manifest.json"
@@ -188,7 +188,7 @@ class TeacherDataset:
         return sorted(self, key=lambda r: r.key)
 
     def geometry(self):
-        from core_kv.teacher.geometry import Geometry
+        from core_kv.geometry import Geometry
 
         return Geometry.load(self.path / self.manifest["geometry"], self.manifest["fingerprint"])
 

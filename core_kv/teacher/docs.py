@@ -47,7 +47,7 @@ def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
     tok = None
     tok_path = spec_.tokenizer  # "" = the model's own (loaded with it below; none for a random init)
     if tok_path == "build":
-        from core_kv.proxy.train import build_proxy_tokenizer
+        from core_kv.proxy.tokenizer import build_proxy_tokenizer
 
         tok = build_proxy_tokenizer()
     elif tok_path:

@@ -21,24 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from core_kv.kernels import coverage_logdet
-
-
-def protected_mask(n: int, s: int, w: int, device=None) -> torch.Tensor:
-    m = torch.zeros(n, dtype=torch.bool, device=device)
-    m[:s] = True
-    if w:
-        m[n - w :] = True
-    return m
-
-
-def top_free(scores: torch.Tensor, protected: torch.Tensor, b_free: int) -> torch.Tensor:
-    """Retained mask (H, N): the protected tokens plus the top ``b_free`` others by ``scores`` (H, N)."""
-    masked = scores.masked_fill(protected, float("-inf"))
-    mask = protected.expand_as(scores).clone()
-    if b_free > 0:
-        mask.scatter_(-1, masked.topk(b_free, dim=-1).indices, True)
-    return mask
+from core_kv.budget import top_free
+from core_kv.nystrom import coverage_logdet
 
 
 def residual(p: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

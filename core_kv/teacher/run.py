@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from core_kv.budget import budget_split
+from core_kv.budget import budget_split, protected_mask, top_free
 from core_kv.config import to_dict
 from core_kv.features import (
     NUM_FEATURES,
@@ -44,21 +44,22 @@ from core_kv.features import (
     observation_attention,
     spec,
 )
-from core_kv.io import atomic_write, atomic_write_json, atomic_write_text
-from core_kv.kernels import normalised_beta_b
-from core_kv.models.attention import attention_inputs, attention_modules, layer_qkv, model_dims, prerope_keys
+from core_kv.files import atomic_write, atomic_write_json, atomic_write_text
+from core_kv.geometry import Geometry, model_fingerprint
+from core_kv.models.attention import (
+    attention_inputs,
+    attention_modules,
+    layer_qkv,
+    model_dims,
+    prerope_keys,
+    window_layers,
+)
+from core_kv.nystrom import normalised_beta_b
 from core_kv.teacher.config import TeacherConfig
 from core_kv.teacher.dataset import FORMAT, MANIFEST, ShardWriter, TeacherRecord, config_hash
 from core_kv.teacher.docs import Doc, event_times, load_model, make_docs
-from core_kv.teacher.geometry import Geometry, fit_geometry, model_fingerprint
-from core_kv.teacher.metrics import (
-    free_overlap,
-    greedy_select,
-    protected_mask,
-    residual,
-    set_quality,
-    top_free,
-)
+from core_kv.teacher.geometry import fit_geometry
+from core_kv.teacher.metrics import free_overlap, greedy_select, residual, set_quality
 from core_kv.teacher.report import format_report, summarise
 from core_kv.teacher.solver import solve_allocation
 from core_kv.teacher.utility import future_utility, normalise
@@ -199,9 +200,7 @@ def process_layer(
 def record_metrics(cfg: TeacherConfig, pi_u, phi, p_star, n: int, rec: Recorder, lam: float) -> None:
     """Table 5 and Table 7 samples of one (event, layer), every KV head."""
     ref_long = 2 * cfg.ref_steps
-    _, hist = solve_allocation(
-        pi_u, phi, lam, ref_long, cfg.eta_value, record=(1, cfg.steps, cfg.ref_steps, ref_long)
-    )
+    _, hist = solve_allocation(pi_u, phi, lam, ref_long, cfg.eta_value, record=(1, cfg.steps, cfg.ref_steps, ref_long))
     p_ref = hist[cfg.ref_steps]
     rec.add("e_1", residual(hist[1], p_ref))
     rec.add(f"e_{cfg.steps}", residual(hist[cfg.steps], p_ref))
@@ -232,10 +231,13 @@ def record_metrics(cfg: TeacherConfig, pi_u, phi, p_star, n: int, rec: Recorder,
 # Run
 
 
-def _layer_hook(cfg, doc, geometry, rec, writer):
-    """What runs before each attention module's forward: the layer's events (timed as ``_in_hooks``)."""
+def _layer_hook(cfg, doc, geometry, rec, writer, skip=()):
+    """What runs before each attention module's forward: the layer's events (timed as ``_in_hooks``). Layers in
+    ``skip`` (a hybrid model's sliding-window layers, which presses never compress) get none."""
 
     def fn(layer, module, hidden_states, kwargs):
+        if layer in skip:
+            return
         t0 = time.perf_counter()
         process_layer(cfg, module, layer, hidden_states, kwargs["position_embeddings"], doc, geometry, rec, writer)
         rec.time["_in_hooks"] += time.perf_counter() - t0
@@ -294,7 +296,7 @@ def run_teacher(cfg: TeacherConfig) -> dict:
     bar = tqdm(docs, desc=f"teacher[{rank}]", disable=not cfg.progress or not state.is_local_main_process)
     with torch.inference_mode():
         for doc in bar:
-            with attention_inputs(model, _layer_hook(cfg, doc, geometry, rec, writer)):
+            with attention_inputs(model, _layer_hook(cfg, doc, geometry, rec, writer, skip=set(window_layers(model)))):
                 t0 = time.perf_counter()
                 model.model(input_ids=torch.tensor([doc.ids], device=device), use_cache=False)
                 rec.time["_forward_total"] += time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """The teacher allocation ``p* = argmax_p −KL(p‖π_U) + λ F_cov(p)`` by damped mirror ascent (CORE.md stage 1, step 3).
 
 The objective is strictly concave on the simplex, so ``p*`` is unique; its stationarity condition is the fixed point
-``log p = log π_U + λ ℓ(p) − const`` (ℓ the ridge leverage, :func:`core_kv.kernels.leverage`). The solver
+``log p = log π_U + λ ℓ(p) − const`` (ℓ the ridge leverage, :func:`core_kv.nystrom.leverage`). The solver
 iterates, from ``p⁽⁰⁾ = π_U``,
 
     log p⁽ʳ⁺¹⁾ = (1 − η) log p⁽ʳ⁾ + η (log π_U + λ ℓ(p⁽ʳ⁾)) − log-normaliser,
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from core_kv.kernels import leverage, leverage_and_curvature, normalised_beta_b
+from core_kv.nystrom import leverage, leverage_and_curvature, normalised_beta_b
 
 TINY = 1e-30
 
@@ -88,7 +88,7 @@ def solve_allocation(
 
 def objective(p: torch.Tensor, pi_u: torch.Tensor, phi: torch.Tensor, lam: float, beta_b=None) -> torch.Tensor:
     """``−KL(p‖π_U) + λ F_cov(p)`` (...), for tests and diagnostics."""
-    from core_kv.kernels import coverage_logdet
+    from core_kv.nystrom import coverage_logdet
 
     p, pi, phi = p.double(), pi_u.double(), phi.double()
     beta_b = normalised_beta_b(phi) if beta_b is None else beta_b.double()

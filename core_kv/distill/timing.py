@@ -7,19 +7,16 @@ timer; :func:`timing` turns the run's timers into the ``timing`` part of ``summa
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
+from core_kv.distill.context import RunContext
 from core_kv.distill.replay import Timer, replay_layer, segment_attention
 from core_kv.memory import write_weights
 
-if TYPE_CHECKING:
-    from core_kv.distill.trainer import Trainer
-
 
 @torch.no_grad()
-def profile(tr: Trainer, doc, ratio: float) -> None:
+def profile(tr: RunContext, doc, ratio: float) -> None:
     """Time what the press does per document: base forward, features, indexer, memory writes + readout.
 
     Teacher targets and the reference attention outputs are not timed (training/evaluation only); the
