@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-slow eval train train-smollm2 bench proxy lint clean
+.PHONY: setup test test-slow eval train train-smollm2 train-gemma3 bench proxy lint clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,11 @@ train: $(STAMP)
 train-smollm2: $(STAMP)
 	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU:-1} $(BIN)/accelerate launch --num_processes 1 --num_machines 1 \
 	  --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 1 train.py --config configs/train/smollm2.yaml $(ARGS)
+
+# CORE for Gemma-3-270M with the SmolLM2 recipe (configs/train/gemma3.yaml; resumable)
+train-gemma3: $(STAMP)
+	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU:-1} $(BIN)/accelerate launch --num_processes 1 --num_machines 1 \
+	  --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 1 train.py --config configs/train/gemma3.yaml $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/press_overhead.py $(ARGS)

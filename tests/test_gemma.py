@@ -11,6 +11,9 @@ retained sets equal to its replay's (the global layer's RoPE base undone and red
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -357,6 +360,9 @@ def test_train_py_on_a_hybrid_model_trains_global_layers_only(tmp_path):
         "indexer.steps=2", "memory.steps=2", "save_every=1", "progress=false",
     ])  # fmt: skip
     assert {r.layer for r in TeacherDataset(teacher).records()} == {1, 3}
+    calib = json.loads((out / "stages" / "calibration.json").read_text())
+    assert calib["temperature"][0] == calib["temperature"][2] == 1.0  # window layers: no event, the default T
+    assert math.isfinite(calib["before"]) and math.isfinite(calib["after"])  # averaged over the global layers
     press = CorePress.from_pretrained(out / "final", compression_ratio=0.75)
     cache = prefill(model, ids(), press)
     assert kv_bytes(cache)["tokens_per_head"] == [[W - 1] * 2, [N // 4] * 2, [W - 1] * 2, [N // 4] * 2]
