@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-slow eval train train-smollm2 train-gemma3 bench proxy lint clean
+.PHONY: setup test test-slow test-research eval train train-smollm2 train-gemma3 bench proxy lint clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ test-slow: $(STAMP)
 	$(BIN)/pip install -q -e ".[deepspeed]"
 	$(BIN)/python -m pytest -q -m slow tests
 
+# the diagnostics of research/ (outside the product package; not imported by the default tests)
+test-research: $(STAMP)
+	$(BIN)/python -m pytest -q research/tests
+
 eval: $(STAMP)
 	$(BIN)/python eval.py $(ARGS)
 
@@ -58,7 +62,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/press_overhead.py $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check core_kv tests benchmarks scripts train.py eval.py
+	$(BIN)/ruff check core_kv tests benchmarks research scripts train.py eval.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -27,16 +27,14 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from needle_wording import parse_press_options  # noqa: E402
-from twinkv_cost import MODEL  # noqa: E402
+from benchmarks.twinkv_cost import MODEL
+from core_kv.eval.press_labels import parse_press_options
 
 SHAPES = {
     "tiny": MODEL,  # the shapes of benchmarks/twinkv_cost.py
@@ -196,7 +194,10 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
-    variants = parse_press_options(args.press_option)  # the syntax of needle_wording.py / answer_likelihood.py
+    try:
+        variants = parse_press_options(args.press_option)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None  # the syntax of needle_wording.py / answer_likelihood.py
     names = ["core"] + [f"core_{dt}" for dt in args.memory_dtypes] + [f"core_{name}" for name in variants]
     if len(set(names)) != len(names):
         ap.error(f"--press-option / --memory-dtypes: column names repeat ({names}); give each variant its own NAME")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -40,8 +39,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_cost import SHAPES, bench_model, build_artifact  # noqa: E402
+from benchmarks.core_cost import SHAPES, bench_model, build_artifact
 
 COMPONENTS = (
     "q_hook", "hooks", "unrope", "features", "indexer", "topb", "write", "evict", "readout_lse", "readout_mem", "readout",

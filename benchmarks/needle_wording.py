@@ -24,101 +24,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-WORDINGS = {
-    "ruler": (
-        "One of the special magic numbers for {key} is: {value}.",
-        "What is the special magic number for {key} mentioned in the provided text?",
-        "The special magic number for {key} mentioned in the provided text is",
-    ),
-    "secret": ("Remember this: the secret code of {key} is {value}.", "What is the secret code of {key}?", ""),
-    "password": ("The password for the {key} vault is {value}.", "What is the password for the {key} vault?", ""),
-    "locker": ("Note: the locker number assigned to {key} is {value}.", "Which locker number was assigned to {key}?",
-               ""),
-}  # fmt: skip
-HAYSTACKS = ("noise", "essay")
-ADJ = ("amber", "silent", "crimson", "brave", "lucky", "frozen", "golden", "hidden", "quiet", "rapid", "wild", "pale")
-NOUN = ("falcon", "river", "lantern", "meadow", "harbor", "compass", "orchid", "glacier", "violin", "beacon", "otter")
-
-
-def build_prompts(tokenizer, wording: str, haystack: str, length: int, n: int, seed: int) -> list[dict]:
-    """``n`` prompts of about ``length`` context tokens (the tokenizer counts), needle at a uniform random depth."""
-    from core_kv.corpus import essays_text
-    from core_kv.eval.ruler import NOISE
-
-    needle_t, question_t, prefix_t = WORDINGS[wording]
-    rng = random.Random(f"{seed}-{wording}-{haystack}-{length}")
-    if haystack == "noise":
-        unit = NOISE + " "
-        per = len(tokenizer.encode(unit, add_special_tokens=False))
-        filler_units = [unit] * (length // per + 1)
-    else:
-        words = essays_text().split()
-        filler_units = None
-    out = []
-    for _ in range(n):
-        key = f"{rng.choice(ADJ)}-{rng.choice(NOUN)}"
-        value = str(rng.randint(1_000_000, 9_999_999))
-        needle = needle_t.format(key=key, value=value)
-        budget = length - len(tokenizer.encode(needle, add_special_tokens=False)) - 8
-        if filler_units is not None:
-            pieces = filler_units[: max(1, budget // per)]
-        else:
-            start = rng.randrange(0, len(words) - 4 * length)
-            pieces, used = [], 0
-            for w in words[start:]:
-                used += 1
-                pieces.append(w + " ")
-                if used >= int(budget * 0.72):  # ~0.72 words per token for English BPE; refined below
-                    break
-            while len(tokenizer.encode("".join(pieces), add_special_tokens=False)) > budget:
-                pieces = pieces[: int(len(pieces) * 0.95)]
-        cut = rng.randint(0, len(pieces))
-        context = "".join(pieces[:cut]) + needle + " " + "".join(pieces[cut:])
-        out.append(
-            {"context": context.strip(), "question": question_t.format(key=key), "prefix": prefix_t.format(key=key),
-             "value": value, "needle": needle, "depth": cut / max(1, len(pieces))}
-        )  # fmt: skip
-    return out
-
-
-def parse_press_options(items: list[str]) -> dict[str, dict]:
-    opts: dict[str, dict] = {}
-    for item in items:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise SystemExit(f"--press-option expects method.option=value, got {item!r}")
-        lhs, value = item.split("=", 1)
-        method, key = lhs.split(".", 1)
-        if not method or not key:
-            raise SystemExit(f"--press-option expects method.option=value, got {item!r}")
-        try:
-            value = json.loads(value)
-        except ValueError:
-            pass
-        opts.setdefault(method, {})[key] = value
-    return opts
-
-
-def build_labelled_presses(methods: list[str], options: dict[str, dict], ratio: float) -> dict:
-    """One press per label at ``ratio``: a press name, ``full`` (None: no press), or a label whose options name its
-    press with ``kind`` (as in the evaluation configs), so variants of one press sit side by side."""
-    from core_kv.presses import build_press
-
-    unknown = set(options) - set(methods)
-    if unknown:
-        raise SystemExit(f"--press-option for methods not in --methods: {sorted(unknown)}")
-    presses = {}
-    for m in methods:
-        opts = dict(options.get(m, {}))
-        presses[m] = None if m == "full" else build_press(opts.pop("kind", m), compression_ratio=ratio, **opts)
-    return presses
+from core_kv.eval.needles import HAYSTACKS, WORDINGS, build_prompts
+from core_kv.eval.press_labels import build_labelled_presses, parse_press_options
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -149,7 +62,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
-    presses = {r: build_labelled_presses(args.methods, parse_press_options(args.press_option), r) for r in args.ratios}
+    try:
+        presses = {r: build_labelled_presses(args.methods, parse_press_options(args.press_option), r) for r in args.ratios}
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     cells = [("full", 0.0)] if "full" in args.methods else []
     cells += [(m, r) for m in args.methods if m != "full" for r in args.ratios]
     results, rows = [], []

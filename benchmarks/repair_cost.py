@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from twinkv_cost import MODEL, interleaved_cpu_seconds, run_job  # noqa: E402
+from benchmarks.twinkv_cost import MODEL, interleaved_cpu_seconds, run_job
 
 
 def construction_table(lengths, repeats, threads, ratio, inner) -> str:

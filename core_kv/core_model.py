@@ -20,6 +20,7 @@ from core_kv.features import FEATURE_SPECS, spec, spec_differences
 from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
+from core_kv.policy import PAPER, InferencePolicy
 
 ARTIFACT_VERSION = 1
 
@@ -37,6 +38,9 @@ class CoreConfig(PretrainedConfig):
         fingerprint: :func:`~core_kv.teacher.geometry.model_fingerprint` of the base model.
         feature_spec: :func:`core_kv.features.spec` at training time.
         teacher: The teacher's parameters (λ, R0, …) from its manifest.
+        inference_policy: The composition to run per compression-ratio band, chosen by ``train.py``'s policy stage
+            on its own validation prompts (:class:`~core_kv.policy.InferencePolicy` as a dict); ``None``: the paper's
+            press.
     """
 
     model_type = "core_kv"
@@ -57,6 +61,7 @@ class CoreConfig(PretrainedConfig):
         fingerprint: dict | None = None,
         feature_spec: dict | None = None,
         teacher: dict | None = None,
+        inference_policy: dict | None = None,
         artifact_version: int = ARTIFACT_VERSION,
         **kwargs,
     ):
@@ -73,6 +78,7 @@ class CoreConfig(PretrainedConfig):
         self.fingerprint = fingerprint or {}
         self.feature_spec = feature_spec or spec()
         self.teacher = teacher or {}
+        self.inference_policy = inference_policy
         self.artifact_version = artifact_version
         super().__init__(**kwargs)
 
@@ -173,6 +179,12 @@ class CoreModel(CorePreTrainedModel):
             core.check_base_model(base_model)
         return core.eval()
 
+    def policy(self) -> InferencePolicy:
+        """The recorded inference policy (the paper's press for every ratio when none is recorded)."""
+        if self.config.inference_policy is None:
+            return InferencePolicy.single(PAPER, validation={"note": "no policy recorded: the paper's press"})
+        return InferencePolicy.from_dict(self.config.inference_policy)
+
     def num_parameters_by_part(self) -> dict:
         return {
             "indexer": sum(p.numel() for p in self.indexer.parameters()),
@@ -192,6 +204,8 @@ def check_artifact(path: Path) -> None:
         v, low = getattr(config, name, None), 0 if name.startswith("protected") else 1
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{cfg_file}: {name} must be an integer >= {low}, got {v!r}")
+    if config.inference_policy is not None:
+        InferencePolicy.from_dict(config.inference_policy, f"{cfg_file}: inference_policy")
     if config.num_heads % config.num_kv_heads:
         raise ValueError(f"{cfg_file}: num_heads ({config.num_heads}) must be a multiple of num_kv_heads")
     if not weights.is_file():

@@ -28,11 +28,11 @@ FLOORS: list[tuple[str, ...]] = [
     ("core_kv.proxy",),  # the proxy LM's tokenizer, data and trainer: the teacher makes its documents with them
     ("core_kv.features",),
     ("core_kv.teacher",),
-    ("core_kv.memory", "core_kv.indexer", "core_kv.core_model"),
+    ("core_kv.memory", "core_kv.indexer", "core_kv.core_model", "core_kv.policy"),
     ("core_kv.distill",),
     ("core_kv.presses", "core_kv.pipeline"),
     ("core_kv.eval",),
-    ("core_kv.proxy.evaluate",),  # the proxy scored with RULER from core_kv.eval
+    ("core_kv.proxy.evaluate", "core_kv.run"),  # the proxy scored with RULER; train.py's run (distil + policy)
 ]
 
 

@@ -29,7 +29,7 @@ ENTRY_POINTS = [
     ("scripts/kvpress_fidelity.py", "file"),
     ("scripts/kvpress_compare.py", "file"),
     ("scripts/plot_grid.py", "file"),
-    *[(f"benchmarks/{p.name}", "file") for p in sorted((ROOT / "benchmarks").glob("*.py"))],
+    *[(f"benchmarks/{p.name}", "file") for p in sorted((ROOT / "benchmarks").glob("*.py")) if p.stem != "__init__"],
 ]
 
 

@@ -1,6 +1,6 @@
 """The optimised CORE press (issue 19) against the naive reference it replaced.
 
-:class:`ReferenceCorePress` keeps the earlier per-head computation: features KV head by KV head (as
+:class:`ReferenceScorer` and :class:`ReferenceMemory` keep the earlier per-head computation: features KV head by KV head (as
 ``distill/replay.py`` calls them), RoPE inverted with per-head cos/sin, the memory written by
 :func:`core_kv.memory.write` and read by :func:`core_kv.memory.compensate` (the trainer's differentiable functions).
 The optimised press must keep the same retained sets event by event and give the same outputs within float
@@ -12,17 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+import core_kv.presses.latent_memory
 from core_kv.features import compute_features, observation_attention
 from core_kv.memory import MemoryState, compensate, compensate_fused, write, write_fused
 from core_kv.models.attention import apply_rope
 from core_kv.models.cache import cache_kwarg
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses.core import CorePress
+from core_kv.presses.core_scorer import CoreScorerPress
+from core_kv.presses.latent_memory import LatentMemoryPress
 from tests.test_core_press import artifact, ids, logits_after  # noqa: F401  (the module-scoped artifact fixture)
 
 
-class ReferenceCorePress(CorePress):
-    """The press as it was before issue 19 (per-head features, unfused memory), for equivalence only."""
+class ReferenceScorer(CoreScorerPress):
+    """The scorer as it was before issue 19: per-head features (as ``distill/replay.py`` calls them), RoPE inverted
+    with per-head cos/sin; for equivalence only."""
 
     def unrope(self, module, keys, positions):
         x = keys.float()[:, None]
@@ -33,44 +37,60 @@ class ReferenceCorePress(CorePress):
         idx = module.layer_idx
         geo = self.core.geometry()
         hkv, n, d = keys.shape
-        g = st["wq_pre"].shape[0] // hkv
-        cos, sin = self._rotary(module, st["wq_pre"], st["wpos"][None])
-        wq_post = apply_rope(module, st["wq_pre"][None], (cos.float(), sin.float()))[0]
+        g = st.wq_pre.shape[0] // hkv
+        cos, sin = self._rotary(module, st.wq_pre, st.wpos[None])
+        wq_post = apply_rope(module, st.wq_pre[None], (cos.float(), sin.float()))[0]
         z = geo.project(idx, k_pre)
         phi = geo.nystrom(idx, z)
         protos = geo.prototypes[idx].to(z)
         scaling = float(getattr(module, "scaling", d**-0.5))
         feats = []
         for h in range(hkv):
-            c = st["pos"][h]
+            c = st.pos[h]
             qs = slice(h * g, (h + 1) * g)
-            obs = observation_attention(wq_post[qs][None], keys[h][None], st["wpos"], c, scaling)
+            obs = observation_attention(wq_post[qs][None], keys[h][None], st.wpos, c, scaling)
             f, ema = compute_features(
-                obs, st["wq_pre"][qs].reshape(1, -1, d), k_pre[h][None], values[h][None], c, st["next"] - 1,
-                z[h][None], phi[h][None], protos[h][None], st["persist"][h][None],
+                obs, st.wq_pre[qs].reshape(1, -1, d), k_pre[h][None], values[h][None], c, st.next - 1,
+                z[h][None], phi[h][None], protos[h][None], st.persist[h][None],
             )  # fmt: skip
-            st["persist"][h] = ema[0]
+            st.persist[h] = ema[0]
             feats.append(f[0])
         return torch.stack(feats)
 
-    def _write(self, mem, idx, keys, values, weights, *_):
-        return self.core.memory.write(mem, idx, keys, values, weights)
 
-    def _compensate(self, mem, idx, q_pre, o_r, lse):
-        return self.core.memory.compensate(mem, idx, q_pre, o_r, lse)
+class ReferenceMemory(LatentMemoryPress):
+    """The memory written by :func:`core_kv.memory.write` and read by :func:`core_kv.memory.compensate` (the
+    trainer's differentiable functions) instead of the fused kernels."""
+
+    def write(self, module, st, keys, values, kept):
+        fused = core_kv.presses.latent_memory.write_fused
+        core_kv.presses.latent_memory.write_fused = lambda mem, w_phi, k, v, w, dtype=None: write(mem, w_phi, k, v, w)
+        try:
+            super().write(module, st, keys, values, kept)
+        finally:
+            core_kv.presses.latent_memory.write_fused = fused
+
+    def compensate(self, layer, mem, q_pre, o_r, lse):
+        return self.scorer.core.memory.compensate(mem, layer, q_pre, o_r, lse)
+
+
+def stacks(path, **options):
+    """The shipped composition (the paper's press: memory around the scorer) and the reference one."""
+    fast = CorePress.from_pretrained(path, policy="paper", **options)
+    ref = ReferenceMemory(press=ReferenceScorer(checkpoint=str(path), **options))
+    return fast, ref
 
 
 def recorded(press):
-    """Wrap ``press._event`` to record (layer, retained positions, ε̂) of every event."""
-    log = []
-    event = press._event
+    """Spy on the scorer's ``evicted`` phase: (layer, retained positions, ε̂) of every event."""
+    scorer = press.inner(CoreScorerPress)
+    log, evicted = [], scorer.evicted
 
-    def wrapper(module, st, *args):
-        out = event(module, st, *args)
-        log.append((module.layer_idx, st["pos"].clone(), press.events[-1]["eps_hat"]))
-        return out
+    def wrapper(module, *args):
+        evicted(module, *args)
+        log.append((module.layer_idx, scorer._layers[module.layer_idx].pos.clone(), scorer.events[-1]["eps_hat"]))
 
-    press._event = wrapper
+    scorer.evicted = wrapper
     return log
 
 
@@ -82,14 +102,17 @@ def assert_same_events(fast, ref):
         torch.testing.assert_close(torch.tensor(ea), torch.tensor(eb), rtol=1e-5, atol=1e-7)
 
 
+def open_gate(press):
+    press.inner(CoreScorerPress).core.memory.gate_b.data.fill_(1.0)  # the memory's contribution shows in the logits
+
+
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_optimised_press_equals_reference(artifact, llama, chunk):  # noqa: F811
     _, path = artifact
     ctx, q = ids(), ids(6, seed=2)
-    fast = CorePress.from_pretrained(path, compression_ratio=0.75)
-    ref = ReferenceCorePress.from_pretrained(path, compression_ratio=0.75)
+    fast, ref = stacks(path, compression_ratio=0.75)
     for p in (fast, ref):
-        p.core.memory.gate_b.data.fill_(1.0)  # an open gate: the memory's contribution is visible in the logits
+        open_gate(p)
     log_f, log_r = recorded(fast), recorded(ref)
     out_f, out_r = logits_after(llama, fast, ctx, q, chunk), logits_after(llama, ref, ctx, q, chunk)
     assert_same_events(log_f, log_r)
@@ -111,13 +134,9 @@ def test_optimised_press_equals_reference(artifact, llama, chunk):  # noqa: F811
 def test_decode_time_eviction_equals_reference(artifact, llama):  # noqa: F811
     _, path = artifact
     budget, slack, steps = 40, 8, 20
-    presses = [
-        cls.from_pretrained(path, budget=budget, decoding=True, decoding_slack=slack)
-        for cls in (CorePress, ReferenceCorePress)
-    ]
     logs, outs = [], []
-    for press in presses:
-        press.core.memory.gate_b.data.fill_(1.0)
+    for press in stacks(path, budget=budget, decoding=True, decoding_slack=slack):
+        open_gate(press)
         logs.append(recorded(press))
         from transformers import DynamicCache
 
@@ -164,20 +183,20 @@ def test_batched_features_equal_per_head(artifact, llama):  # noqa: F811
     """The features of every KV head at once equal the per-head calls bit for bit (same kernels per head)."""
     _, path = artifact
     feats = {}
-    for cls in (CorePress, ReferenceCorePress):
-        press = cls.from_pretrained(path, compression_ratio=0.5)
+    for cls in (CoreScorerPress, ReferenceScorer):
+        press = cls(checkpoint=str(path), compression_ratio=0.5)
         got = []
         features = press._features
 
         def wrapper(module, st, *args, features=features, got=got):
             out = features(module, st, *args)
-            got.append((out.clone(), st["persist"].clone()))
+            got.append((out.clone(), st.persist.clone()))
             return out
 
         press._features = wrapper
         prefill(llama, ids(), press, chunk_size=64)
         feats[cls] = got
-    for (fa, pa), (fb, pb) in zip(feats[CorePress], feats[ReferenceCorePress], strict=True):
+    for (fa, pa), (fb, pb) in zip(feats[CoreScorerPress], feats[ReferenceScorer], strict=True):
         torch.testing.assert_close(fa, fb, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7, equal_nan=True)
 
@@ -185,21 +204,19 @@ def test_batched_features_equal_per_head(artifact, llama):  # noqa: F811
 def test_decode_steps_take_the_log_partition_from_the_attention(artifact, llama):  # noqa: F811
     """On a decode step the readout's lse_R comes from the attention kernel and equals the recomputed one."""
     _, path = artifact
-    press = CorePress.from_pretrained(path, compression_ratio=0.75)
+    press = CorePress.from_pretrained(path, compression_ratio=0.75, policy="paper")
+    memory = press.memory_press
     seen = []
-    lse_fn = press._retained_lse
-    compensate_fn = press._compensate
+    compensate_fn = memory.compensate
 
-    def compensate_spy(mem, idx, q_pre, o_r, lse):
-        st = press._layers[idx]
+    def compensate_spy(layer, mem, q_pre, o_r, lse):
+        st = memory._memory[layer]
         if q_pre.shape[1] == 1:
-            q_post = apply_rope(llama.model.layers[idx].self_attn, q_pre[None], st["fwd"]["position_embeddings"])[0]
-            want = lse_fn(llama.model.layers[idx].self_attn, q_post, st["fwd"]["cache"].layers[idx])
-            assert "lse" in st["fwd"]  # the kernel's, not recomputed
-            seen.append((lse, want))
-        return compensate_fn(mem, idx, q_pre, o_r, lse)
+            assert "lse" in st.fwd  # the kernel's, not recomputed
+            seen.append((lse, memory.retained_lse(llama.model.layers[layer].self_attn, st, q_pre)))
+        return compensate_fn(layer, mem, q_pre, o_r, lse)
 
-    press._compensate = compensate_spy
+    memory.compensate = compensate_spy
     cache = prefill(llama, ids(), press)
     greedy_answer(llama, cache, ids().shape[1], ids(3, seed=2), 4, press, eos_token_ids=[])
     assert len(seen) == 2 * 3  # 2 layers × the 3 one-token steps after the 3-token question
@@ -215,8 +232,8 @@ def test_two_byte_memory_state_stays_within_tolerance(artifact, llama, dtype):  
     ctx, q = ids(), ids(6, seed=2)
     runs = {}
     for dt in (None, dtype):
-        press = CorePress.from_pretrained(path, compression_ratio=0.75, memory_dtype=dt)
-        press.core.memory.gate_b.data.fill_(1.0)
+        press = CorePress.from_pretrained(path, compression_ratio=0.75, memory_dtype=dt, policy="paper")
+        open_gate(press)
         log = recorded(press)
         runs[dt] = (press, log, logits_after(llama, press, ctx, q, 64))
     (p32, log32, out32), (p16, log16, out16) = runs[None], runs[dtype]

@@ -19,7 +19,9 @@ from core_kv.geometry import FingerprintMismatch, model_fingerprint
 from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
-from core_kv.presses.core import CorePress, certificate_terms
+from core_kv.presses.adakv import AdaKVPress
+from core_kv.presses.core import CorePress
+from core_kv.presses.latent_memory import MemoryLayer
 from core_kv.teacher.geometry import fit_geometry
 from tests.conftest import tiny_model
 
@@ -67,8 +69,8 @@ def test_artifact_round_trip_and_registry(artifact):
     same = build_press("core", checkpoint=str(path), compression_ratio=0.5)
     assert same.core.config.fingerprint == core.config.fingerprint
     json.dumps(press.config_dict())  # results folders record the options
-    assert build_press("core_ea", checkpoint=str(path), compression_ratio=0.5).allocation == "expected_attention"
-    assert build_press("core_keydiff", checkpoint=str(path), compression_ratio=0.5).allocation == "keydiff"
+    assert build_press("core_ea", checkpoint=str(path), compression_ratio=0.5).scorer.allocation == "expected_attention"
+    assert build_press("core_keydiff", checkpoint=str(path), compression_ratio=0.5).scorer.allocation == "keydiff"
 
 
 def test_refuses_artifact_for_another_model_and_missing_checkpoint(artifact, tmp_path):
@@ -106,11 +108,12 @@ def test_exact_budgets_with_memory_on(artifact, llama, chunk):
 def test_budget_matched_reduces_b_by_the_memory_token_equivalent(artifact, llama):
     _, path = artifact
     press = press_for(path, budget=400, budget_matched=True)
-    eq = press.token_equivalent(4)  # fp32 cache: (512·16 + 512 + 1 + 16 + 1) · 4 B / (2 · 16 · 4 B)
+    eq = press.memory_press.token_equivalent(4)  # fp32 cache: (512·16 + 512 + 1 + 16 + 1) · 4 B / (2 · 16 · 4 B)
     assert eq == -(-(512 * 16 + 512 + 18) * 4 // (2 * 16 * 4))
     cache = prefill(llama, ids(), press)
     assert kv_bytes(cache)["tokens_per_head"] == [[max(1, N - eq)] * 2] * 2  # the memory outweighs 200 tokens here
-    assert press_for(path, budget=400, budget_matched=True, memory=False).token_equivalent(4) == 0
+    with pytest.raises(ValueError, match="budget_matched"):  # no memory: nothing to match
+        press_for(path, budget=400, budget_matched=True, memory=False)
 
 
 def test_ratio_zero_equals_uncompressed(artifact, llama):
@@ -189,14 +192,13 @@ def test_layer0_retained_sets_match_replay(artifact, llama):
     core, path = artifact
     press = press_for(path, compression_ratio=0.5)
     kept: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    event = press._event
+    scorer, evicted = press.scorer, press.scorer.evicted
 
-    def recording(module, st, *args):
-        out = event(module, st, *args)
-        kept[module.layer_idx].append(st["pos"].clone())
-        return out
+    def recording(module, *args):
+        evicted(module, *args)
+        kept[module.layer_idx].append(scorer._layers[module.layer_idx].pos.clone())
 
-    press._event = recording
+    scorer.evicted = recording
     ctx = ids()
     prefill(llama, ctx, press, chunk_size=64)
     spec = ReplaySpec(chunk_size=64, ratio=0.5, protected_sinks=4, protected_recent=32, policy="student",
@@ -243,39 +245,6 @@ def test_calibration_changes_mass_not_retention(artifact, llama):
         runs[calibrated] = (kv_bytes(cache), [e["eps_hat"] for e in press.events])
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] != runs[False][1]
-
-
-def test_certificate_bound_holds_on_random_tensors():
-    g = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        n, d = 40, 8
-        q, k, v = torch.randn(d, generator=g), torch.randn(n, d, generator=g) * 2, torch.randn(n, d, generator=g)
-        evicted = torch.rand(n, generator=g) < 0.6
-        a = (k @ q).softmax(0)
-        alpha = a[evicted].sum()
-        o_star, o_r = a @ v, (a * ~evicted / a[~evicted].sum()) @ v
-        o_e = (a * evicted / alpha) @ v
-        torch.testing.assert_close(o_star - o_r, alpha * (o_e - o_r))  # the exact identity
-        w = torch.rand(n, generator=g) * evicted
-        c_e = (w @ v) / w.sum()
-        r_e = (v[evicted] - c_e).norm(dim=-1).max()
-        eps_hat = torch.rand((), generator=g)
-        bound = certificate_terms(eps_hat, (alpha - eps_hat).abs(), c_e, r_e, o_r).sum(-1)
-        assert (o_star - o_r).norm() <= bound + 1e-6
-
-
-def test_certificate_logged_per_head_and_exact_bound_holds(artifact, llama):
-    _, path = artifact
-    press = press_for(path, compression_ratio=0.75, log_certificate=True)
-    cache = prefill(llama, ids(), press, chunk_size=64)
-    greedy_answer(llama, cache, N, ids(6, seed=2), 3, press, eos_token_ids=[])
-    rows = press.certificates
-    assert rows and {r["layer"] for r in rows} == {0, 1}
-    for r in rows:
-        assert len(r["ret_err"]) == 4 and len(r["terms"]) == 4 and len(r["terms"][0]) == 4
-        assert min(r["holds_exact"]) == 1.0
-        assert all(0 <= a <= 1 for a in r["alpha"])
-    assert press.aux_breakdown()["memory_state"] == press.core.memory.state_bytes()  # the shadow is not counted
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -381,44 +350,6 @@ def test_nan_inputs_are_named_at_the_press_boundary(artifact, llama):
             emb.weight.copy_(saved)
 
 
-def test_coverage_layers_rank_by_leverage_and_keep_the_indexer_mass(artifact, llama):
-    """``coverage_layers="1"``: layer 1's first-event retained set is the replay's Top-B by the ``novelty`` feature
-    (ridge leverage under uniform p), layer 0 is untouched, and ε̂ still comes from the indexer's distribution."""
-    from core_kv.features import FEATURE_NAMES
-
-    core, path = artifact
-    col = FEATURE_NAMES.index("novelty")
-    runs = {}
-    for layers in ("", "1"):
-        press = press_for(path, compression_ratio=0.25, coverage_layers=layers)
-        kept: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-        event = press._event
-
-        def recording(module, st, *args, kept=kept, event=event):
-            out = event(module, st, *args)
-            kept[module.layer_idx].append(st["pos"].clone())
-            return out
-
-        press._event = recording
-        prefill(llama, ids(), press, chunk_size=64)
-        runs[layers] = (kept, [e for e in press.events if e["layer"] == 1])
-    (base, base_ev), (cov, cov_ev) = runs[""], runs["1"]
-    assert all(torch.equal(a, b) for a, b in zip(base[0], cov[0], strict=True))
-    spec = ReplaySpec(chunk_size=64, ratio=0.25, protected_sinks=4, protected_recent=32, policy="student",
-                      targets=False, utility=False)  # fmt: skip
-    acts = capture(llama, ids())
-    ev = replay_layer(acts[1], 1, [64], None, core.geometry(), spec, lambda layer, f: f[..., col].float())[0]
-    assert torch.equal(ev.cand[ev.kept].view(2, -1), cov[1][0])
-    assert not torch.equal(cov[1][0], base[1][0])
-    assert base_ev[0]["eps_hat"] != cov_ev[0]["eps_hat"]  # different evicted set, same distribution p
-    ref = core.indexer.distribution(1, core.indexer.scores(1, ev.features))
-    torch.testing.assert_close(torch.tensor(cov_ev[0]["eps_hat"]), (ref * ~ev.kept).sum(-1), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="coverage_layers"):
-        press_for(path, compression_ratio=0.5, coverage_layers="x")
-    with pytest.raises(ValueError, match="coverage_layers"):
-        press_for(path, compression_ratio=0.5, coverage_layers="1", allocation="keydiff")
-
-
 def test_replay_targets_follow_per_layer_lambda(artifact, llama):
     """The distillation's on-policy targets use ``lam_layers``: layer 1 with ``{"1": 4.0}`` over λ = 1 equals a
     plain λ = 4 replay there; layer 0 equals the plain λ = 1 replay."""
@@ -453,25 +384,19 @@ def adaptive_reference(p: torch.Tensor, prot: torch.Tensor, b: int, alpha: float
     return keep | {(h, j) for _, h, j in rest[: hkv * b - len(keep)]}
 
 
-def run_recording(press, model, ctx):
-    """One-shot prefill; returns the cache, each layer's kept index lists and the distribution p of its event."""
+def run_recording(press, model, ctx, chunk_size=None):
+    """Prefill; returns the cache, each layer's final kept index lists (per head) and the distribution p of its last
+    event (the scorer's, as the memory writes with it)."""
     kept, dists = {}, {}
-    event, distribution = press._event, press.core.indexer.distribution
+    scorer, evicted = press.scorer, press.scorer.evicted
 
-    def recording(module, st, *args):
-        kept[module.layer_idx] = event(module, st, *args)
-        return kept[module.layer_idx]
+    def recording(module, keys, values, k, lengths=None):
+        kept[module.layer_idx] = list(k[0]) if isinstance(k, torch.Tensor) else list(k)
+        dists[module.layer_idx] = scorer.event(module.layer_idx).p.clone()
+        evicted(module, keys, values, k, lengths)
 
-    def dist(layer, scores, calibrated=True):
-        dists[layer] = distribution(layer, scores, calibrated=calibrated)
-        return dists[layer]
-
-    press._event, press.core.indexer.distribution = recording, dist
-    try:
-        cache = prefill(model, ctx, press)
-    finally:
-        press.core.indexer.distribution = distribution
-    return cache, kept, dists
+    scorer.evicted = recording
+    return prefill(model, ctx, press, chunk_size), kept, dists
 
 
 def test_adaptive_head_budgets_follow_adakv_over_the_calibrated_distribution(artifact, llama):
@@ -507,9 +432,16 @@ def test_adaptive_with_full_safeguard_is_the_uniform_press(artifact, llama):
     _, path = artifact
     ctx, q = ids(), ids(6, seed=2)
     uniform = logits_after(llama, press_for(path, compression_ratio=0.75), ctx, q)
-    safe = logits_after(llama, press_for(path, compression_ratio=0.75, head_budgets="adaptive", alpha_safeguard=1.0),
-                        ctx, q)  # fmt: skip
+    safe = press_for(path, compression_ratio=0.75, head_budgets="adaptive")
+    safe.inner(AdaKVPress).alpha_safeguard = 1.0
+    safe = logits_after(llama, safe, ctx, q)
     torch.testing.assert_close(safe, uniform, rtol=0, atol=0)
+
+
+def identity_rope(attn, t: int):
+    """cos = 1, sin = 0: RoPE that leaves the query as it is (the test gives post-RoPE queries)."""
+    d = attn.head_dim
+    return torch.ones(1, t, d), torch.zeros(1, t, d)
 
 
 def test_ragged_readout_log_partition_matches_each_head(artifact, llama):
@@ -521,68 +453,11 @@ def test_ragged_readout_log_partition_matches_each_head(artifact, llama):
     attn = llama.model.layers[layer].self_attn
     keys, _, valid = cache.layers[layer].padded()
     q = torch.randn(4, 1, keys.shape[-1], generator=torch.Generator().manual_seed(0))
-    got = press._retained_lse(attn, q, cache.layers[layer])
+    st = MemoryLayer(survive=torch.ones(2), fwd={"cache": cache, "position_embeddings": identity_rope(attn, 1)})
+    got = press.memory_press.retained_lse(attn, st, q)
     for h in range(4):
         k = keys[0, h // 2][valid[h // 2]]
         torch.testing.assert_close(got[h], ((q[h] @ k.mT) * attn.scaling).logsumexp(-1), rtol=1e-5, atol=1e-5)
-
-
-def test_adaptive_refuses_what_a_ragged_cache_cannot_do(artifact, llama):
-    _, path = artifact
-    for options, what in (({"decoding": True}, "decoding"), ({"coverage_layers": "1"}, "coverage_layers")):
-        with pytest.raises(ValueError, match=what):
-            press_for(path, compression_ratio=0.5, head_budgets="adaptive", **options)
-    with pytest.raises(ValueError, match="chunk_size"):
-        prefill(llama, ids(), press_for(path, compression_ratio=0.5, head_budgets="adaptive"), chunk_size=64)
-    with pytest.raises(ValueError, match="head_budgets"):
-        press_for(path, compression_ratio=0.5, head_budgets="per_layer")
-    with pytest.raises(ValueError, match="alpha_safeguard"):
-        press_for(path, compression_ratio=0.5, head_budgets="adaptive", alpha_safeguard=1.5)
-
-
-def test_adaptive_certificate_matches_the_uniform_one_and_masks_each_heads_padding(artifact, llama):
-    """The certificate under head-wise budgets (a ragged cache; each head's evicted entries right-padded to the
-    longest head's): with ``alpha_safeguard=1`` (the uniform press exactly) its rows equal the uniform press's; with
-    AdaKV's floor the heads evict different counts, the shadow's valid mask counts each head's evictions, and every
-    row is finite with the exact bound holding."""
-    _, path = artifact
-    question = ids(6, seed=2)
-    rows = {}
-    for name, options in (("uniform", {}), ("adaptive1", {"head_budgets": "adaptive", "alpha_safeguard": 1.0})):
-        press = press_for(path, compression_ratio=0.75, log_certificate=True, **options)
-        cache = prefill(llama, ids(), press)
-        greedy_answer(llama, cache, N, question, 3, press, eos_token_ids=[])
-        rows[name] = press.certificates
-    assert len(rows["uniform"]) == len(rows["adaptive1"]) > 0
-    for a, b in zip(rows["uniform"], rows["adaptive1"], strict=True):
-        for key in ("alpha", "gate", "ret_err", "comp_err", "bound_exact"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    press = press_for(path, compression_ratio=0.75, log_certificate=True, head_budgets="adaptive")
-    cache = prefill(llama, ids(), press)
-    kept = {e["layer"]: e["kept_per_head"] for e in press.events}
-    assert any(len(set(k)) > 1 for k in kept.values())  # heads evict different counts: padding is exercised
-    for idx, st in press._layers.items():
-        valid = st["shadow"][2]
-        assert valid.sum(-1).tolist() == [N - k for k in kept[idx]]
-    greedy_answer(llama, cache, N, question, 3, press, eos_token_ids=[])
-    for r in press.certificates:
-        for key in ("alpha", "gate", "ret_err", "comp_err"):
-            assert all(x == x and abs(x) < float("inf") for x in r[key]), key
-        assert all(0 <= a <= 1 for a in r["alpha"]) and min(r["holds_exact"]) == 1.0
-
-
-def test_allocation_layers_swap_the_retained_set_only_there(artifact, llama):
-    """``allocation="keydiff", allocation_layers="1"`` (one-shot prefill, one event per layer on the full cache):
-    layer 0 keeps what the indexer press keeps, layer 1 what the all-KeyDiff press keeps."""
-    _, path = artifact
-    runs = {}
-    for name, options in (("indexer", {}), ("keydiff", {"allocation": "keydiff"}),
-                          ("mixed", {"allocation": "keydiff", "allocation_layers": "1"})):  # fmt: skip
-        press = press_for(path, compression_ratio=0.75, **options)
-        runs[name] = run_recording(press, llama, ids())[1]
-    assert torch.equal(runs["mixed"][0], runs["indexer"][0])
-    assert torch.equal(runs["mixed"][1], runs["keydiff"][1])
-    assert not torch.equal(runs["indexer"][1], runs["keydiff"][1])
 
 
 def test_adaptive_allocation_press_is_adakv_over_that_press(artifact, llama):
@@ -593,102 +468,65 @@ def test_adaptive_allocation_press_is_adakv_over_that_press(artifact, llama):
     ctx, q = ids(), ids(6, seed=2)
     with pytest.warns(UserWarning, match="overrides the artifact"):
         core_ea = press_for(path, compression_ratio=0.75, allocation="expected_attention", head_budgets="adaptive",
-                            allocation_options={"epsilon": 1e-2}, protected_sinks=0, protected_recent=0, memory=False)  # fmt: skip
+                            protected_sinks=0, protected_recent=0, memory=False)  # fmt: skip
+    core_ea.scorer._inner.epsilon = 1e-2  # kvpress's leaderboard entry runs ExpectedAttention with ε = 1e-2
     adakv = build_press("adakv_expected_attention", compression_ratio=0.75)
     torch.testing.assert_close(logits_after(llama, core_ea, ctx, q), logits_after(llama, adakv, ctx, q), rtol=0, atol=0)
 
 
-def test_allocation_options_are_checked(artifact):
-    _, path = artifact
-    for options, what in (({"allocation_layers": "1"}, "allocation_layers"),
-                          ({"allocation_options": {"epsilon": 0.1}}, "allocation_options"),
-                          ({"allocation": "keydiff", "allocation_layers": "x"}, "allocation_layers"),
-                          ({"allocation": "keydiff", "allocation_options": {"epsilon": 0.1}}, "allocation_options"),
-                          ({"allocation": "expected_attention", "allocation_options": [1]}, "allocation_options"),
-                          ({"allocation": "expected_attention", "allocation_options": {"n_sink": -1}}, "n_sink")):  # fmt: skip
-        with pytest.raises(ValueError, match=what):
-            press_for(path, compression_ratio=0.5, **options)
-
-
 def test_output_head_pool_ranks_by_expected_attentions_formula_over_p(artifact, llama):
     """``head_pool="output"``: the heads of a layer compete on ``(p + ε) · ‖v‖`` (AdaKV's rule written out over
-    that quantity, p the calibrated distribution, v the layer's values); with ``pool_layers="1"`` layer 0 pools p
-    as before. Each layer still keeps Hkv·B entries."""
+    that quantity, p the calibrated distribution, v the layer's values). Each layer still keeps Hkv·B entries."""
     from core_kv.budget import protected_mask
 
     _, path = artifact
     b, eps = N // 4, 0.05
     acts = capture(llama, ids())
     prot = protected_mask(N, 4, 32)
-    press = press_for(path, compression_ratio=0.75, head_budgets="adaptive", head_pool="output", pool_epsilon=eps,
-                      pool_layers="1")  # fmt: skip
+    press = press_for(path, compression_ratio=0.75, head_budgets="adaptive", head_pool="output")
+    press.inner(AdaKVPress).pool_epsilon = eps
     cache, kept, dists = run_recording(press, llama, ids())
     assert [sum(h) for h in kv_bytes(cache)["tokens_per_head"]] == [2 * b, 2 * b]
     for layer in range(2):
-        pooled = dists[layer] if layer == 0 else (dists[layer] + eps) * acts[layer].v.norm(dim=-1)
+        pooled = (dists[layer] + eps) * acts[layer].v.norm(dim=-1)
         got = {(h, int(j)) for h in range(2) for j in kept[layer][h]}
         assert got == adaptive_reference(pooled, prot, b, 0.2)
-    assert got != adaptive_reference(dists[1], prot, b, 0.2)  # the value norms moved the split
-    for options, what in (({"head_pool": "value"}, "head_pool"), ({"head_pool": "output"}, "head_budgets"),
-                          ({"head_budgets": "adaptive", "pool_layers": "1"}, "pool_layers"),
-                          ({"head_budgets": "adaptive", "head_pool": "output", "pool_epsilon": -1.0}, "pool_epsilon"),
-                          ({"head_budgets": "adaptive", "head_pool": "output", "allocation": "keydiff"}, "allocation")):  # fmt: skip
+        assert got != adaptive_reference(dists[layer], prot, b, 0.2), layer  # the value norms moved the split
+    for options, what in (({"head_pool": "value"}, "head_pool"), ({"head_pool": "output"}, "head_budgets")):
         with pytest.raises(ValueError, match=what):
             press_for(path, compression_ratio=0.5, **options)
 
 
-def test_split_head_pool_sizes_heads_by_output_and_fills_them_by_p(artifact, llama):
-    """``head_pool="split"``: each head's budget is its count in the ``head_pool="output"`` split, and the head
-    keeps its protected positions plus its top by p up to that count (written out naively)."""
-    from core_kv.budget import protected_mask
-
-    _, path = artifact
-    b, eps = N // 4, 0.05
-    acts = capture(llama, ids())
-    prot = protected_mask(N, 4, 32)
-    press = press_for(path, compression_ratio=0.75, head_budgets="adaptive", head_pool="split", pool_epsilon=eps)
-    cache, kept, dists = run_recording(press, llama, ids())
-    assert [sum(h) for h in kv_bytes(cache)["tokens_per_head"]] == [2 * b, 2 * b]
-    moved = False
-    for layer in range(2):
-        p = dists[layer]
-        output_split = adaptive_reference((p + eps) * acts[layer].v.norm(dim=-1), prot, b, 0.2)
-        for h in range(2):
-            count = sum(1 for g, _ in output_split if g == h)
-            ranked = sorted(range(N), key=lambda j: (not bool(prot[j]), -float(p[h, j])))
-            assert {int(j) for j in kept[layer][h]} == set(ranked[:count])
-            moved |= {j for g, j in output_split if g == h} != set(ranked[:count])
-    assert moved  # filling by p changed some head's set relative to head_pool="output"
-
-
-def repair_reference(keys: torch.Tensor, kept: set, prot: torch.Tensor, tau: float, w: int = 32, p=None) -> set:
+def repair_reference(keys: torch.Tensor, kept: set, prot: torch.Tensor, tau: float, w: int = 32) -> set:
     """TwinKV's repair pass (paper 001 §3.4) written out over one head's kept positions: b_i = the best cosine to a
     kept key more than w positions away (-1 if none); orphans = evicted with b < τ (ascending b), donors = kept,
-    unprotected, b ≥ τ (descending b; ascending ``p`` when given); the min(#orphans, #donors) first pairs swap."""
+    unprotected, b ≥ τ (descending b); the min(#orphans, #donors) first pairs swap."""
     from core_kv.presses.twin_repair import naive_best_twin
 
     b = naive_best_twin(keys, torch.tensor(sorted(kept)), w)
     n = keys.shape[0]
     orphans = sorted((j for j in range(n) if j not in kept and b[j] < tau), key=lambda j: (float(b[j]), j))
-    order = (lambda j: (-float(b[j]), j)) if p is None else (lambda j: (float(p[j]), j))
-    donors = sorted((j for j in kept if not prot[j] and b[j] >= tau), key=order)
+    donors = sorted((j for j in kept if not prot[j] and b[j] >= tau), key=lambda j: (-float(b[j]), j))
     m = min(len(orphans), len(donors))
     return (kept - set(donors[:m])) | set(orphans[:m])
 
 
-@pytest.mark.parametrize("head_budgets,donors", [("uniform", "twin"), ("adaptive", "twin"), ("adaptive", "mass")])
-def test_repair_runs_twinkvs_pass_on_cores_sets(artifact, llama, head_budgets, donors):
-    """``repair=True``: every head's retained set is CORE's set after TwinKV's repair pass (post-RoPE keys, CORE's
-    protected positions never donate; donors most redundant first, or lowest p first with ``repair_donors="mass"``),
-    so each head keeps the same number of entries; the evicted mass ε̂ is that of the repaired set."""
+@pytest.mark.parametrize("head_budgets", ["uniform", "adaptive"])
+def test_repair_runs_twinkvs_pass_on_cores_sets(artifact, llama, head_budgets):
+    """``repair=True`` (TwinRepairPress around the scorer, or around AdaKV around it): every head's retained set is
+    CORE's set after TwinKV's repair pass (post-RoPE keys, CORE's protected positions never donate, donors most
+    redundant first), so each head keeps the same number of entries; the evicted mass ε̂ is that of the repaired set."""
     from core_kv.budget import protected_mask
+    from core_kv.presses.twin_repair import TwinRepairPress
 
     _, path = artifact
     tau, b = 0.3, N // 4
     prot = protected_mask(N, 4, 32)
     opts = dict(compression_ratio=0.75, head_budgets=head_budgets, memory=False)
     _, before, _ = run_recording(press_for(path, **opts), llama, ids())
-    press = press_for(path, repair=True, repair_threshold=tau, repair_donors=donors, **opts)
+    press = press_for(path, repair=True, **opts)
+    press.inner(TwinRepairPress).threshold = tau
+    assert (press.inner(TwinRepairPress).protected_sinks, press.inner(TwinRepairPress).protected_recent) == (4, 32)
     cache, after, dists = run_recording(press, llama, ids())
     full = prefill(llama, ids(), None)
     swapped = 0
@@ -697,7 +535,7 @@ def test_repair_runs_twinkvs_pass_on_cores_sets(artifact, llama, head_budgets, d
         for h in range(2):
             s0 = {int(j) for j in before[layer][h]}
             s1 = {int(j) for j in after[layer][h]}
-            assert s1 == repair_reference(keys[h], s0, prot, tau, p=dists[layer][h] if donors == "mass" else None)
+            assert s1 == repair_reference(keys[h], s0, prot, tau)
             assert len(s1) == len(s0) and all(int(j) in s1 for j in prot.nonzero().flatten())
             swapped += len(s1 - s0)
         evicted = torch.ones(2, N, dtype=torch.bool)
@@ -708,7 +546,3 @@ def test_repair_runs_twinkvs_pass_on_cores_sets(artifact, llama, head_budgets, d
     assert swapped > 0  # the pass moved something (else the test checks nothing)
     if head_budgets == "uniform":
         assert all(len(x) == b for layer in after.values() for x in layer)
-    with pytest.raises(ValueError, match="repair_threshold"):
-        press_for(path, compression_ratio=0.5, repair=True, repair_threshold=1.5)
-    with pytest.raises(ValueError, match="repair_donors"):
-        press_for(path, compression_ratio=0.5, repair=True, repair_donors="value")

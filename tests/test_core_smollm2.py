@@ -1,6 +1,6 @@
-"""The shipped CORE artifacts for SmolLM2-135M (``checkpoints/core-smollm2/final``, feature spec v1, and
-``checkpoints/core-smollm2-v2/final``, spec v2): each loads, matches SmolLM2's fingerprint, compresses a real SmolLM2
-prefill to the exact budget, and is refused on another base model."""
+"""The shipped CORE artifact for SmolLM2-135M (``checkpoints/core-smollm2/final``, feature spec v2): it loads, matches
+SmolLM2's fingerprint, compresses a real SmolLM2 prefill to the exact budget, is refused on another base model, and is
+what ``make train-smollm2`` (``configs/train/smollm2.yaml``) builds."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from core_kv.models.loading import load_model
 from core_kv.presses import build_press
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
-ARTIFACTS = {1: CHECKPOINTS / "core-smollm2" / "final", 2: CHECKPOINTS / "core-smollm2-v2" / "final"}
+ROOT = CHECKPOINTS.parent
 
 
-@pytest.fixture(params=sorted(ARTIFACTS), ids=lambda v: f"spec-v{v}")
-def artifact(request) -> Path:
-    return ARTIFACTS[request.param]
+@pytest.fixture
+def artifact() -> Path:
+    return CHECKPOINTS / "core-smollm2" / "final"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_artifact_matches_smollm2s_fingerprint(smollm2, artifact):
     from core_kv.core_model import CoreModel
 
     core = CoreModel.from_pretrained(artifact)
-    assert core.config.feature_spec["version"] == next(v for v, p in ARTIFACTS.items() if p == artifact)
+    assert core.config.feature_spec["version"] == 2
     stored = core.config.fingerprint
     assert stored == model_fingerprint(smollm2[0])
     assert stored["name"] == "smollm2-135m" and stored["layers"] == 30 and stored["kv_heads"] == 3
@@ -45,7 +45,7 @@ def test_compresses_a_smollm2_prefill_to_the_exact_budget(smollm2, artifact, rat
     text = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 24
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)[:512]])
     n = ids.shape[1]
-    press = build_press("core", checkpoint=str(artifact), compression_ratio=ratio)
+    press = build_press("core", checkpoint=str(artifact), compression_ratio=ratio, policy="paper")
     cache = DynamicCache()
     with torch.inference_mode(), press(model):
         model.model(input_ids=ids, past_key_values=cache)
@@ -63,10 +63,11 @@ def test_refused_on_another_base_model(artifact):
         proxy.model(input_ids=ids, past_key_values=DynamicCache())
 
 
-def test_run_key_matches_the_recorded_config(artifact):
-    """``run.json`` is the key the trainer computes from the artifact's resolved ``config.yaml``: a relaunch of that
-    config into the folder resumes it, and a relaunch of any other config (another feature spec included) does not
-    mistake the folder for its own."""
+@pytest.mark.parametrize("config", ["recorded", "make train-smollm2"])
+def test_run_key_matches_the_recorded_config(artifact, config):
+    """``run.json`` is the key the trainer computes from the artifact's resolved ``config.yaml`` and from
+    ``configs/train/smollm2.yaml`` (``make train-smollm2``): a relaunch of that config into the folder resumes it (and
+    only runs the policy stage), any other config does not mistake the folder for its own."""
     import json
 
     from core_kv.config import load_config
@@ -75,16 +76,9 @@ def test_run_key_matches_the_recorded_config(artifact):
 
     folder = artifact.parent
     stored = json.loads((folder / "run.json").read_text())
-    cfg = load_config(TrainConfig, ["--config", str(folder / "config.yaml")])
+    path = folder / "config.yaml" if config == "recorded" else ROOT / "configs" / "train" / "smollm2.yaml"
+    cfg = load_config(TrainConfig, ["--config", str(path)])
     trainer = Trainer.__new__(Trainer)  # the key needs the config and the base model's fingerprint, no accelerator
     trainer.cfg, trainer.fingerprint = cfg, stored["fingerprint"]
     assert trainer.run_key() == stored
-    assert cfg.teacher.features == next(v for v, p in ARTIFACTS.items() if p == artifact)
-
-
-def test_artifacts_of_different_feature_specs_have_different_run_keys():
-    import json
-
-    keys = [json.loads((p.parent / "run.json").read_text()) for p in ARTIFACTS.values()]
-    assert keys[0]["config_hash"] != keys[1]["config_hash"]
-    assert all(keys[0]["stages"][s] != keys[1]["stages"][s] for s in keys[0]["stages"])
+    assert cfg.teacher.features == 2

@@ -14,7 +14,7 @@ import pytest
 from core_kv.config import load_config
 from core_kv.eval import benchmarks as bm
 from core_kv.eval.benchmarks import EmptyDatasetError, write_samples
-from core_kv.eval.runner import EvalConfig, cell_dir, run_eval
+from core_kv.eval.runner import EvalConfig, cell_dir, method_spec, run_eval
 from core_kv.eval.schema import Sample
 from core_kv.files import read_jsonl
 from core_kv.models.loading import ContextWindowError
@@ -302,7 +302,7 @@ def test_shipped_eval_yaml_loads(path):
     cfg = load_config(EvalConfig, [str(path)])
     assert cfg.methods or cfg.reference
     for name in cfg.methods:
-        kind = cfg.press_options.get(name, {}).get("kind", name)
+        kind, _ = method_spec(name, cfg.press_options.get(name))
         assert kind in PRESSES, f"{path.name}: unknown press {kind!r}"
 
 

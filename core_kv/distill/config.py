@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core_kv.memory import WRITE_RULES
+from core_kv.policy import PolicyStageConfig
 from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
 
 
@@ -123,6 +124,8 @@ class TrainConfig:
         overwrite: Retrain from scratch: delete the folder's stages, states and ``final/`` first (the only way a run
             replaces a finished artifact).
         wandb: Log through ``accelerator.init_trackers``/``log`` (``wandb_mode`` offline works without login).
+        policy: The last stage: the inference policy chosen on the pipeline's own validation prompts and recorded in
+            the artifact (:class:`~core_kv.policy.PolicyStageConfig`; ``policy.enabled=false`` skips it).
     """
 
     out_dir: str = "runs/core-proxy"
@@ -150,6 +153,7 @@ class TrainConfig:
     wandb_mode: str = "offline"
     progress: bool = True
     threads: int = 0
+    policy: PolicyStageConfig = field(default_factory=PolicyStageConfig)
 
     def __post_init__(self) -> None:
         if self.write_rule not in WRITE_RULES:
@@ -169,6 +173,7 @@ class TrainConfig:
         self.indexer.check()
         self.calibration.check()
         self.memory.check()
+        self.policy.check()
         if self.wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError("wandb_mode must be offline, online or disabled")
         if self.stop_after < 0:

@@ -131,7 +131,7 @@ class Trainer(RunContext):
     def run_key(self) -> dict:
         """What the run folder's contents depend on: base model + every training-relevant option."""
         skip = {"out_dir", "progress", "threads", "stop_after", "overwrite", "wandb", "wandb_project", "wandb_mode",
-                "save_every", "keep_last", "build_teacher"}  # fmt: skip
+                "save_every", "keep_last", "build_teacher", "policy"}  # fmt: skip
         resolved = {k: v for k, v in _hashed(self.cfg).items() if k not in skip}
         resolved["teacher"] = self._teacher_key() | {"data": to_dict(self.cfg.teacher.data)}
         return {"fingerprint": self.fingerprint, "config_hash": config_hash(resolved), "stages": self.stage_keys()}

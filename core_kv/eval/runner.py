@@ -123,7 +123,8 @@ class EvalConfig:
         reference: also run the uncompressed ``full`` reference (once per benchmark, stored as ratio 0).
         press_options: extra constructor options per method, e.g. ``{snapkv: {window_size: 64}}``. A ``kind`` key
             makes the method name a label for a configured press: ``methods=[ada_snapkv]`` with
-            ``press_options.ada_snapkv={kind: adakv, press: snapkv}``.
+            ``press_options.ada_snapkv={kind: adakv, press: snapkv}``. A method ``<press>:<policy>`` is that press
+            with ``policy=<policy>`` (``core:paper``: the CORE paper's press; ``core`` alone: the artifact's policy).
         benchmarks: which entries of ``datasets`` to run, in order.
         datasets: per-benchmark settings, keyed by entry name.
         generation: feeding/answering options, identical for every method.
@@ -157,7 +158,7 @@ class EvalConfig:
         import core_kv.presses  # noqa: F401  (registers the built-in presses)
 
         for m in self.methods:
-            kind = (self.press_options.get(m) or {}).get("kind", m)
+            kind, _ = method_spec(m, self.press_options.get(m))
             if kind not in PRESSES:
                 raise ValueError(f"unknown method {kind!r}; registered presses: {', '.join(sorted(PRESSES))}")
         if len(set(self.methods)) != len(self.methods):
@@ -267,9 +268,19 @@ def _prepare(samples, groups, tokenizer, model, gen: GenerationConfig, name: str
     return _Prepared(ctx_hash, in_hash, in_tokens)
 
 
-def _build_press(cfg: EvalConfig, method: str, ratio: float) -> BasePress:
-    options = dict(cfg.press_options.get(method, {}) or {})
+def method_spec(method: str, options: dict | None) -> tuple[str, dict]:
+    """``(press name, options)`` of a method label: ``kind`` in its options names the press, else the label does;
+    ``<press>:<policy>`` (``core:paper``) adds ``policy=<policy>``."""
+    options = dict(options or {})
     kind = options.pop("kind", method)
+    if ":" in kind:
+        kind, policy = kind.split(":", 1)
+        options.setdefault("policy", policy)
+    return kind, options
+
+
+def _build_press(cfg: EvalConfig, method: str, ratio: float) -> BasePress:
+    kind, options = method_spec(method, cfg.press_options.get(method))
     if kind == REFERENCE:
         return build_press(REFERENCE, **options)
     return build_press(kind, compression_ratio=ratio, **options)

@@ -228,6 +228,17 @@ def prerope_queries(module: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
     return q.transpose(1, 2)
 
 
+def prerope_queries_from_projection(module: nn.Module, projected: torch.Tensor) -> torch.Tensor:
+    """Queries before RoPE ``(B, H, T, D)`` from the output of ``module``'s query projection (``q_proj``, or the fused
+    ``qkv_proj`` whose first ``H·D`` columns are the queries), q_norm applied where the model applies it: what a
+    forward hook on the projection sees, without a second projection."""
+    b, t, _ = projected.shape
+    q = projected[..., : module.config.num_attention_heads * module.head_dim].view(b, t, -1, module.head_dim)
+    if hasattr(module, "q_norm"):
+        q = module.q_norm(q)
+    return q.transpose(1, 2)
+
+
 def prerope_keys(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Keys before RoPE (after k_norm for Qwen3 and Gemma 3), ``(B, Hkv, T, D)``."""
     b, t, _ = hidden_states.shape

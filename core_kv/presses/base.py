@@ -22,7 +22,13 @@ and goes beyond it where kvpress users complain (§6 there):
 - **Stateful presses** use public extension points, not the private hooks: :meth:`BasePress.install` /
   :meth:`BasePress.uninstall` (extra hooks), :meth:`BasePress.before_forward` / :meth:`BasePress.after_forward`
   (per-forward bookkeeping), :attr:`BasePress.evicts` and :meth:`BasePress.eviction_target` (when and to what size
-  to evict), :meth:`BasePress.compress` (what to keep) and :meth:`BasePress.readout`.
+  to evict), :meth:`BasePress.compress` (what to keep), :meth:`BasePress.evicted` (the phase after selection: the
+  final kept set of an event, before the cache is rewritten) and :meth:`BasePress.readout`.
+- **Composition by wrapping** (kvpress's ``AdaKVPress(press)``): a :class:`WrapperPress` holds an inner press and
+  forwards every extension point to it, so scoring, head-wise allocation (``adakv``), the repair pass
+  (``twin_repair``) and compensation (``latent_memory``) stack in any order that makes sense. Only the outermost
+  press's hooks run; :meth:`BasePress.evicted` reaches every press of the stack with the *final* kept set, so a
+  compensation wrapper outside a repair wrapper writes exactly the entries that leave the cache.
 
 Two levels, as kvpress's ``base_press.py`` / ``scorer_press.py``: :class:`BasePress` decides *when* to evict (the
 hooks, the budget, the finite-input check, the physical eviction) and asks :meth:`BasePress.compress` *which*
@@ -127,9 +133,26 @@ class BasePress:
         """Tokens each KV head of this layer keeps (on average) out of ``n``; PyramidKV overrides it per layer."""
         return self.target(n)
 
+    def evicted(
+        self,
+        module: nn.Module,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        kept: Kept,
+        lengths: torch.Tensor | None = None,
+    ) -> None:
+        """The phase after selection: called once per eviction event with the *final* kept set (after every wrapper
+        of a stack has had its say), before the cache is rewritten. ``keys``/``values`` ``(B, Hkv, S, D)`` are the
+        candidates (right-padded when ``lengths`` ``(Hkv,)`` is given); the positions not in ``kept`` are leaving.
+        Stateful presses update their bookkeeping here (CORE's scorer its positions, the latent memory its writes)."""
+
     def readout(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor | None:
         """Optionally replace the pre-W_O attention output ``(B, T, H*D)``; ``None`` leaves it unchanged."""
         return None
+
+    def reads_out(self) -> bool:
+        """Whether :meth:`readout` can change anything (then a pre-hook on every ``o_proj`` is installed)."""
+        return type(self).readout is not BasePress.readout
 
     def aux_bytes(self) -> int:
         """Bytes of auxiliary state the method keeps beside the KV payload (e.g. CORE's memory)."""
@@ -257,6 +280,8 @@ class BasePress:
             attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
             self.check_inputs(module, keys, values)
             kept = self.compress(module, hidden_states, keys, values, attentions, kwargs, n_kept)
+            lengths = None
+        self.evicted(module, keys, values, kept, lengths)
         self._apply(cache, idx, keys, values, kept)
         return output
 
@@ -301,7 +326,7 @@ class BasePress:
         # per-layer state (tokens seen) survives re-entry: the pipeline re-enters the press to answer questions on
         # the cache it compressed; it is reset by the first forward on an empty cache
         self._mode = "auto"
-        overrides_readout = type(self).readout is not BasePress.readout
+        overrides_readout = self.reads_out()
         try:
             handles += self.install(model)
             for layer in layers:
@@ -360,6 +385,134 @@ class BasePress:
 
 
 @dataclass
+class WrapperPress(BasePress):
+    """A press around an inner press (kvpress's ``AdaKVPress(press)`` pattern): the stack's hooks are this press's,
+    and every extension point the wrapper does not change is forwarded to the inner press (which shares this press's
+    per-layer bookkeeping), so wrappers stack. Subclasses override what they change: :meth:`compress` (what to keep),
+    :meth:`evicted` (call ``super().evicted(...)`` to pass the final kept set on), :meth:`readout`,
+    :meth:`eviction_target`.
+
+    The budget and the decoding schedule are the inner press's: a wrapper given none takes the inner's; different
+    ones on both are refused. ``press`` may be a registered name (built with the wrapper's budget, decoding and
+    ``press_options``) or an instance.
+
+    Args:
+        press: The inner press, an instance or a registered name.
+        press_options: Options of a press given by name.
+    """
+
+    press: BasePress | str = "knorm"
+    press_options: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if isinstance(self.press, str):
+            if self.press == self.name:
+                raise ValueError(f"{self.name} cannot wrap itself")
+            if not isinstance(self.press_options, dict):
+                raise ValueError(f"{self.name}: press_options must be a mapping, got {self.press_options!r}")
+            self.press = build_press(
+                self.press, compression_ratio=self.compression_ratio, budget=self.budget, decoding=self.decoding,
+                **self.press_options,
+            )  # fmt: skip
+        elif isinstance(self.press, BasePress):
+            if self.press_options:
+                raise ValueError(f"{self.name}: press_options only apply to a press given by name")
+            inner = self.press
+            if type(inner) is type(self):
+                raise ValueError(f"{self.name} cannot wrap another {self.name}")
+            if inner.decoding and not self.decoding:  # the wrapper's hooks decide when to evict
+                self.decoding, self.decoding_slack = inner.decoding, inner.decoding_slack
+            elif self.decoding and not inner.decoding:  # the inner press's bookkeeping must know it too
+                inner.decoding, inner.decoding_slack = self.decoding, self.decoding_slack
+            if self.is_noop:
+                self.compression_ratio, self.budget = inner.compression_ratio, inner.budget
+            elif inner.is_noop:  # kvpress style: the budget is on the wrapper; the stack's budget arithmetic is
+                press = inner  # the inner presses', so every press of the stack below gets it
+                while press is not None and press.is_noop:
+                    press.compression_ratio, press.budget = self.compression_ratio, self.budget
+                    press = press.press if isinstance(press, WrapperPress) else None
+            elif (inner.compression_ratio, inner.budget) != (self.compression_ratio, self.budget):
+                raise ValueError(
+                    f"{self.name} budget (ratio={self.compression_ratio}, budget={self.budget}) differs from the "
+                    f"wrapped press's (ratio={inner.compression_ratio}, budget={inner.budget}); set one of them"
+                )
+        else:
+            raise ValueError(f"{self.name}: press must be a registered name or a press, got {type(self.press).__name__}")
+        mine = (self.protected_sinks, self.protected_recent)
+        if type(self).protected is WrapperPress.protected and mine != (0, 0):  # protection given on the wrapper:
+            press = self.press  # it is the inner scorer's, as the budget (kvpress style)
+            while isinstance(press, BasePress):
+                if (press.protected_sinks, press.protected_recent) == (0, 0):
+                    press.protected_sinks, press.protected_recent = mine
+                press = press.press if isinstance(press, WrapperPress) else None
+        super().validate()
+
+    def inner(self, cls: type[BasePress]) -> BasePress | None:
+        """The first press of the stack (this one included) that is a ``cls``, else ``None``."""
+        press = self
+        while press is not None:
+            if isinstance(press, cls):
+                return press
+            press = press.press if isinstance(press, WrapperPress) else None
+        return None
+
+    @property
+    def needs_attentions(self) -> bool:  # type: ignore[override]
+        return self.press.needs_attentions
+
+    # budgets and schedule: the inner press's
+    def layer_target(self, module: nn.Module, n: int) -> int:
+        return self.press.layer_target(module, n)
+
+    def eviction_target(self, module: nn.Module, seen: int, prefill: bool) -> int:
+        return self.press.eviction_target(module, seen, prefill)
+
+    def protected(self, n_kept: int) -> tuple[int, int]:
+        return self.press.protected(n_kept)
+
+    @property
+    def evicts(self) -> bool:
+        return self.press.evicts or BasePress.evicts.fget(self)
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs, n_kept, lengths=None) -> Kept:
+        return self.press.compress(module, hidden_states, keys, values, attentions, kwargs, n_kept, lengths=lengths)
+
+    # the rest of the contract, forwarded
+    def evicted(self, module, keys, values, kept, lengths=None) -> None:
+        self.press.evicted(module, keys, values, kept, lengths)
+
+    def readout(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor | None:
+        return self.press.readout(module, attn_output)
+
+    def reads_out(self) -> bool:
+        return type(self).readout is not WrapperPress.readout or self.press.reads_out()
+
+    def aux_bytes(self) -> int:
+        return self.press.aux_bytes()
+
+    def install(self, model: nn.Module) -> list:
+        return self.press.install(model)
+
+    def uninstall(self, model: nn.Module) -> None:
+        self.press.uninstall(model)
+
+    def before_forward(self, module, hidden_states, cache, kwargs) -> None:
+        self.press.before_forward(module, hidden_states, cache, kwargs)
+
+    def after_forward(self, module, hidden_states, cache, kwargs) -> None:
+        self.press.after_forward(module, hidden_states, cache, kwargs)
+
+    def on_enter(self, model: nn.Module) -> None:
+        self.press.share_state(self.layer_state)  # the inner press sees the wrapper's per-layer bookkeeping
+        self.press.on_enter(model)
+
+    @contextmanager
+    def chunked_prefill(self):
+        with super().chunked_prefill(), self.press.chunked_prefill():
+            yield
+
+
+@dataclass
 class ScorerPress(BasePress):
     """A press defined by its :meth:`score` (kvpress's ``ScorerPress``): at an eviction event :meth:`compress` scores
     every cached position, forces the protected sinks/recent positions in (and a ragged cache's padding out) and
@@ -376,6 +529,11 @@ class ScorerPress(BasePress):
     ) -> torch.Tensor:
         """Importance of every cached position, ``(B, Hkv, S)``, higher = keep (abstract)."""
         raise NotImplementedError(f"{type(self).__name__} must implement score() (abstract)")
+
+    def pooled_scores(self, module: nn.Module, scores: torch.Tensor) -> torch.Tensor:
+        """The scores ``(B, Hkv, S)`` on one scale across the KV heads of a layer, for a head-wise allocation (AdaKV)
+        to compare; the scores themselves by default (CORE's scorer: its calibrated distribution)."""
+        return scores
 
     def select(self, scores: torch.Tensor, n_kept: int, module: nn.Module, kwargs: dict) -> Kept:
         """Turn scores ``(B, Hkv, S)`` into retained indices; per-head top-``n_kept`` by default."""

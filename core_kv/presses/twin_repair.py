@@ -15,13 +15,13 @@ head, the cheaper form the paper (§3.5) leaves to future work; :func:`naive_bes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core_kv.presses.base import BasePress, Kept, build_press
+from core_kv.presses.base import BasePress, Kept, WrapperPress
 
 
 def best_twin(
@@ -65,12 +65,9 @@ def repair(
     sinks: int = 4,
     recent: int = 64,
     block_size: int = 512,
-    donor_scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Repair one head's retained set (paper §3.4). ``keys`` ``(n, D)``; ``retained`` indices; returns sorted
-    indices of the same size. Donors exclude the first ``sinks`` and last ``recent`` positions. ``donor_scores``
-    ``(n,)``: donate the eligible donors of lowest score first instead of the most redundant first (the paper's
-    order; CORE's ``repair_donors="mass"`` passes its calibrated p)."""
+    indices of the same size. Donors exclude the first ``sinks`` and last ``recent`` positions."""
     n = keys.shape[0]
     retained = retained.sort().values
     b = best_twin(keys, retained, local_window, block_size)  # (n,)
@@ -85,30 +82,28 @@ def repair(
         return retained
     # stable sorts over ascending positions: equal severities resolve to the earlier position
     orphans = orphans[b[orphans].sort(stable=True).indices[:m]]
-    if donor_scores is None:
-        donors = donors[b[donors].sort(descending=True, stable=True).indices[:m]]
-    else:
-        donors = donors[donor_scores[donors].sort(stable=True).indices[:m]]
+    donors = donors[b[donors].sort(descending=True, stable=True).indices[:m]]
     in_s0[donors] = False
     in_s0[orphans] = True
     return torch.nonzero(in_s0).flatten()
 
 
 @dataclass
-class TwinRepairPress(BasePress, name="twin_repair"):
+class TwinRepairPress(WrapperPress, name="twin_repair"):
     """The TwinKV repair pass (``../shared/papers/001_e5fc3a72c13765dd.txt`` §3.2–3.4) around any press.
 
     ``press`` is a registered name (built with this wrapper's ``compression_ratio``/``budget``/``decoding`` and
     ``press_options``) or an instance (its own budget is used; the wrapper's must be unset or equal). The wrapped
-    press selects, then every head's retained set is repaired; per-head budgets (ragged selections) are kept.
+    press selects, then every head's retained set is repaired; per-head budgets (ragged selections) are kept, and a
+    wrapper outside this one (CORE's latent memory) sees the repaired set in :meth:`~BasePress.evicted`.
 
     Defaults are the paper's Qwen3-4B setting ``τ = 0.85``, ``w = 32``, 4 sinks and 64 recent positions protected
     from donation; the paper's Llama-3.2-1B setting is ``threshold=0.90`` (§4.1, §4.4).
 
-    ``protected_sinks``/``protected_recent`` protect positions from being donated; they are not forwarded to the
-    wrapped press, which keeps its own protection (its selection is audited as configured). The paper's baselines all
-    protect 4 sinks and 64 recent positions (§3.2): reproduce that with
-    ``press_options={"protected_sinks": 4, "protected_recent": 64}``.
+    ``protected_sinks``/``protected_recent`` protect positions from being donated, inside the event's (average)
+    budget ``n_kept`` (``BasePress.protected``); they are not forwarded to the wrapped press, which keeps its own
+    protection (its selection is audited as configured). The paper's baselines all protect 4 sinks and 64 recent
+    positions (§3.2): reproduce that with ``press_options={"protected_sinks": 4, "protected_recent": 64}``.
 
     Deviations: ``b`` is computed against the retained set only (``O(n·K·d)``; identical values to the paper's
     full-matrix form, checked against :func:`naive_best_twin`). Like the paper, ``b`` is computed once from ``S0``
@@ -122,42 +117,11 @@ class TwinRepairPress(BasePress, name="twin_repair"):
         block_size: positions per similarity block.
     """
 
-    press: str | BasePress = "knorm"
-    press_options: dict = field(default_factory=dict)
     protected_sinks: int = 4
     protected_recent: int = 64
     threshold: float = 0.85
     local_window: int = 32
     block_size: int = 512
-
-    def __post_init__(self):
-        if isinstance(self.press, str):
-            if self.press == self.name:
-                raise ValueError("twin_repair cannot wrap itself")
-            self.press = build_press(
-                self.press,
-                compression_ratio=self.compression_ratio,
-                budget=self.budget,
-                decoding=self.decoding,
-                **self.press_options,
-            )
-        elif isinstance(self.press, BasePress):
-            if self.press_options:
-                raise ValueError("press_options only apply to a press given by name")
-            inner = self.press
-            if inner.decoding and not self.decoding:  # the wrapper's hooks decide when to evict
-                self.decoding, self.decoding_slack = inner.decoding, inner.decoding_slack
-            if self.is_noop:
-                self.compression_ratio, self.budget = inner.compression_ratio, inner.budget
-            elif (self.compression_ratio, self.budget) != (inner.compression_ratio, inner.budget):
-                raise ValueError(
-                    f"twin_repair budget (ratio={self.compression_ratio}, budget={self.budget}) differs from the "
-                    f"wrapped press's (ratio={inner.compression_ratio}, budget={inner.budget}); set one of them"
-                )
-        else:
-            raise ValueError(f"press must be a registered name or a BasePress, got {type(self.press).__name__}")
-        self.needs_attentions = self.press.needs_attentions
-        super().__post_init__()
 
     def validate(self) -> None:
         super().validate()
@@ -168,19 +132,8 @@ class TwinRepairPress(BasePress, name="twin_repair"):
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
 
-    # The wrapped press decides budgets, readout, auxiliary state and per-model setup.
-    def layer_target(self, module: nn.Module, n: int) -> int:
-        return self.press.layer_target(module, n)
-
-    def readout(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor | None:
-        return self.press.readout(module, attn_output)
-
-    def aux_bytes(self) -> int:
-        return self.press.aux_bytes()
-
-    def on_enter(self, model: nn.Module) -> None:
-        self.press.share_state()
-        self.press.on_enter(model)
+    def protected(self, n_kept: int) -> tuple[int, int]:
+        return BasePress.protected(self, n_kept)  # donors: this pass's own protection, not the wrapped press's
 
     def compress(
         self,
@@ -196,14 +149,14 @@ class TwinRepairPress(BasePress, name="twin_repair"):
         s0 = self.press.compress(module, hidden_states, keys, values, attentions, kwargs, n_kept, lengths=lengths)
         b, h, n, _ = keys.shape
         lens = [n] * h if lengths is None else [int(x) for x in lengths]
+        sinks, recent = self.protected(n_kept)
         if isinstance(s0, torch.Tensor):
             out = torch.empty_like(s0)
             for i in range(b):
                 for j in range(h):
-                    out[i, j] = self._repair_head(keys[i, j, : lens[j]], s0[i, j])
+                    out[i, j] = self._repair_head(keys[i, j, : lens[j]], s0[i, j], sinks, recent)
             return out
-        return [self._repair_head(keys[0, j, : lens[j]], s0[j]) for j in range(h)]
+        return [self._repair_head(keys[0, j, : lens[j]], s0[j], sinks, recent) for j in range(h)]
 
-    def _repair_head(self, keys: torch.Tensor, retained: torch.Tensor) -> torch.Tensor:
-        sinks, recent = self.protected(retained.numel())
+    def _repair_head(self, keys: torch.Tensor, retained: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
         return repair(keys, retained, self.threshold, self.local_window, sinks, recent, self.block_size)

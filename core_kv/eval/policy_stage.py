@@ -1,0 +1,171 @@
+"""The policy stage: choose a CORE artifact's inference policy on the pipeline's own validation prompts.
+
+``train.py`` runs it after the artifact is written (``policy.*`` options, :class:`~core_kv.policy.PolicyStageConfig`).
+For every validation ratio, every candidate composition (:func:`~core_kv.policy.candidate_grid`: uniform or AdaKV
+head-wise budgets pooled over ``p`` or ``(p + ε)·‖v‖``, with or without TwinKV's repair pass, with or without the
+latent memory) compresses the context of every validation prompt (:mod:`core_kv.eval.validation`: own wording, keys,
+haystacks and seeds; no evaluation context is ever read), and the answer is scored by teacher forcing:
+
+- ``accuracy``: the share of prompts whose every answer token is the model's top-1 (what greedy decoding would emit);
+- ``logprob``: the mean log-probability of the answer tokens (averaged per prompt, then over prompts).
+
+The chosen composition at a ratio is the one of highest accuracy, then highest log-probability, then the fewest
+changes to the paper's press. Bands of ratios get the choice of their validation ratio (edges halfway between), and
+``final/config.json`` records the policy, every candidate's scores, the full cache's scores on the same prompts and
+how the validation set was made. Results of each (ratio, candidate) are kept in ``<run>/stages/policy/`` (atomic
+writes), so an interrupted stage resumes; they are discarded when the artifact's weights or the stage's options
+change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from core_kv.config import to_dict
+from core_kv.eval.fidelity import continuation_logprobs
+from core_kv.eval.validation import validation_set
+from core_kv.files import atomic_write_json
+from core_kv.pipeline import encode, prefill
+from core_kv.policy import InferencePolicy, PolicyOptions, PolicyStageConfig, bands_from_choices, complexity
+from core_kv.presses.core import compose
+from core_kv.presses.core_scorer import CoreScorerPress
+
+RULE = "highest accuracy (every answer token top-1 under teacher forcing), then highest mean answer log-prob, then the fewest changes to the paper's press"
+
+
+def score_prompt(model, tokenizer, prompt, press) -> dict:
+    """Teacher-forced answer scores of one prompt under ``press`` (``None``: the full cache)."""
+    enc = encode(tokenizer, prompt.context, [prompt.question], [prompt.prefix])
+    answer = tokenizer.encode(prompt.answer, add_special_tokens=False)
+    fed = torch.cat([enc.question_ids[0], torch.tensor([answer])], 1)
+    n = enc.context_ids.shape[1]
+    with torch.inference_mode():
+        cache = prefill(model, enc.context_ids, press)
+        lp = continuation_logprobs(model, cache, n, fed[:, :-1], press)
+    rows = lp[-len(answer) :]
+    target = torch.tensor(answer, device=rows.device)
+    return {
+        "top1": bool((rows.argmax(-1) == target).all()),
+        "logprob": float(rows.gather(-1, target[:, None]).mean()),
+    }
+
+
+def summarise(rows: list[dict]) -> dict:
+    return {
+        "accuracy": sum(r["top1"] for r in rows) / len(rows),
+        "logprob": statistics.fmean(r["logprob"] for r in rows),
+        "n": len(rows),
+    }
+
+
+def choose(results: list[tuple[PolicyOptions, dict]]) -> PolicyOptions:
+    """The candidate of highest accuracy, then log-prob, then the fewest changes to the paper's press."""
+    return max(results, key=lambda x: (x[1]["accuracy"], x[1]["logprob"], -complexity(x[0])))[0]
+
+
+def stage_key(cfg: PolicyStageConfig, artifact: Path, prompts) -> dict:
+    """What the stage's cached results depend on: its options, the artifact's weights, the prompts' text."""
+    weights = hashlib.sha256((artifact / "model.safetensors").read_bytes()).hexdigest()[:16]
+    text = hashlib.sha256(json.dumps([asdict(p) for p in prompts]).encode()).hexdigest()[:16]
+    return {"options": to_dict(cfg), "weights": weights, "prompts": text}
+
+
+def run_policy_stage(
+    cfg: PolicyStageConfig, artifact: str | Path, model, tokenizer, work_dir: str | Path, progress: bool = True
+) -> InferencePolicy:
+    """Score every candidate at every ratio, choose, and record the policy in ``artifact``'s ``config.json``."""
+    artifact, work = Path(artifact), Path(work_dir)
+    t0 = time.perf_counter()
+    prompts = validation_set(tokenizer, cfg.tasks, cfg.length, cfg.per_task, cfg.seed)
+    key = stage_key(cfg, artifact, prompts)
+    key_file = work / "key.json"
+    if key_file.is_file() and json.loads(key_file.read_text()) != key:
+        for f in work.glob("*.json"):  # another artifact or other options: the cached scores do not apply
+            f.unlink()
+    work.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(key_file, key)
+    candidates = cfg.candidate_options()
+    jobs = [(None, None)] + [(r, c) for r in cfg.ratios for c in candidates]
+    bar = tqdm(total=len(jobs) * len(prompts), desc="policy", disable=not progress, unit="prompt")
+    scores: dict = {}
+    for ratio, options in jobs:
+        label = "full" if options is None else f"{ratio}__{_slug(options)}"
+        cached = work / f"{label}.json"
+        if cached.is_file():
+            scores[label] = json.loads(cached.read_text())
+            bar.update(len(prompts))
+            continue
+        press = None
+        if options is not None:
+            scorer = CoreScorerPress(checkpoint=str(artifact), compression_ratio=ratio)
+            press = compose(scorer, options)
+        rows = []
+        for p in prompts:
+            rows.append({"task": p.task, **score_prompt(model, tokenizer, p, press)})
+            bar.update(1)
+        scores[label] = {"ratio": ratio, "options": None if options is None else options.to_dict(), **summarise(rows),
+                         "per_task": {t: summarise([r for r in rows if r["task"] == t]) for t in cfg.tasks}}  # fmt: skip
+        atomic_write_json(cached, scores[label])
+    bar.close()
+    choices, table = {}, {}
+    for r in cfg.ratios:
+        results = [(c, scores[f"{r}__{_slug(c)}"]) for c in candidates]
+        choices[r] = choose(results)
+        table[str(r)] = [{"label": c.describe(), **s} for c, s in results]
+    bands = bands_from_choices(choices)
+    default = min(range(len(bands)), key=lambda i: abs(bands[i].validated_at - 0.75))
+    policy = InferencePolicy(
+        bands, default, table,
+        {"generator": "core_kv.eval.validation", "tasks": list(cfg.tasks), "per_task": cfg.per_task,
+         "context_tokens": cfg.length, "seed": cfg.seed, "prompts": len(prompts), "full_cache": scores["full"],
+         "rule": RULE, "seconds": round(time.perf_counter() - t0, 1), "key": key},
+    )  # fmt: skip
+    record(artifact, policy)
+    return policy
+
+
+def record(artifact: Path, policy: InferencePolicy) -> None:
+    """Write ``policy`` into ``artifact/config.json`` (atomic; the other settings untouched)."""
+    cfg_file = artifact / "config.json"
+    config = json.loads(cfg_file.read_text())
+    config["inference_policy"] = policy.to_dict()
+    atomic_write_json(cfg_file, config)
+
+
+def _slug(options: PolicyOptions) -> str:
+    return hashlib.sha256(json.dumps(options.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def policy_markdown(policy: InferencePolicy) -> str:
+    """The chosen policy and every candidate's validation scores, for the run's report."""
+    v = policy.validation
+    lines = [
+        "## Inference policy (chosen on validation prompts)",
+        "",
+        f"{v.get('prompts')} prompts ({', '.join(v.get('tasks', []))}; {v.get('context_tokens')} tokens; seed "
+        f"{v.get('seed')}; generator `{v.get('generator')}`); full cache: accuracy "
+        f"{v['full_cache']['accuracy']:.2f}, answer log-prob {v['full_cache']['logprob']:.3f}. Rule: {v.get('rule')}.",
+        "",
+        "| ratios | validated at | chosen |",
+        "|---|---|---|",
+    ]
+    lo = 0.0
+    for b in policy.bands:
+        lines.append(f"| ({lo:g}, {b.upto:g}] | {b.validated_at:g} | {b.options.describe()} |")
+        lo = b.upto
+    lines += ["", "| ratio | candidate | accuracy | log-prob |", "|---|---|---|---|"]
+    for r, rows in policy.candidates.items():
+        for row in sorted(rows, key=lambda x: (-x["accuracy"], -x["logprob"])):
+            lines.append(f"| {r} | {row['label']} | {row['accuracy']:.2f} | {row['logprob']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["RULE", "choose", "policy_markdown", "record", "run_policy_stage", "score_prompt"]

@@ -1,0 +1,260 @@
+"""The inference policy a CORE artifact carries: how its pieces are composed at each compression ratio.
+
+CORE's retention channel (the scorer), head-wise budgets (AdaKV around it, pooled over ``p`` or over ``(p + ε)·‖v‖``),
+TwinKV's repair pass and the latent memory (outermost) compose as presses (:mod:`core_kv.presses.core`). Which
+composition measures best depends on the ratio and the model, so ``train.py``'s last stage (the policy stage,
+:mod:`core_kv.eval.policy_stage`) chooses one per compression-ratio band on validation prompts it generates itself
+and records it in the artifact's ``config.json`` (``inference_policy``), with every candidate's validation score and
+how the validation set was made. ``build_press("core", checkpoint=..., compression_ratio=r)`` applies the band of r.
+
+A band covers the ratios ``(previous upto, upto]``; the last band covers everything above. An artifact without a
+recorded policy runs the paper's press (:data:`PAPER`: uniform per-head budgets, memory in every layer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+from core_kv.config import parse_layers
+
+POLICY_VERSION = 1
+HEAD_BUDGETS = ("uniform", "adaptive")
+HEAD_POOLS = ("score", "output")
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """One composition of CORE's pieces.
+
+    Args:
+        head_budgets: ``uniform`` (the paper: B per (layer, KV head)) or ``adaptive`` (AdaKV's head-wise budgets,
+            https://arxiv.org/abs/2407.11550, around the scorer).
+        head_pool: With ``adaptive``: what the heads compete on, ``score`` (the calibrated ``p``) or ``output``
+            (``(p + pool_epsilon)·‖v‖``, ExpectedAttention's formula over CORE's ``p``).
+        repair: TwinKV's repair pass (``../shared/papers/001_e5fc3a72c13765dd.txt`` §3.2-3.4) on the retained sets.
+        memory: The latent memory: ``True`` (every layer), ``False`` (none) or the layers that keep it (``"0-5,8"``).
+        alpha_safeguard: AdaKV's per-head floor (kvpress's 0.2).
+        pool_epsilon: ε of ``head_pool="output"`` (kvpress's leaderboard AdaKV(ExpectedAttention): 1e-2).
+        repair_threshold: τ of the repair pass (the paper's Qwen3-4B setting 0.85).
+    """
+
+    head_budgets: str = "uniform"
+    head_pool: str = "score"
+    repair: bool = False
+    memory: bool | str = True
+    alpha_safeguard: float = 0.2
+    pool_epsilon: float = 0.01
+    repair_threshold: float = 0.85
+
+    def __post_init__(self):
+        if self.head_budgets not in HEAD_BUDGETS:
+            raise ValueError(f"head_budgets must be one of {HEAD_BUDGETS}, got {self.head_budgets!r}")
+        if self.head_pool not in HEAD_POOLS:
+            raise ValueError(f"head_pool must be one of {HEAD_POOLS}, got {self.head_pool!r}")
+        if self.head_pool != "score" and self.head_budgets != "adaptive":
+            raise ValueError(f"head_pool={self.head_pool!r} pools across heads: it needs head_budgets='adaptive'")
+        if not isinstance(self.repair, bool):
+            raise ValueError(f"repair must be true or false, got {self.repair!r}")
+        if isinstance(self.memory, str):
+            if not parse_layers(self.memory, "memory"):  # raises naming the option for a malformed list
+                raise ValueError("memory: give true, false or a non-empty layer list like '0-5,8'")
+        elif not isinstance(self.memory, bool):
+            raise ValueError(f"memory must be true, false or a layer list like '0-5,8', got {self.memory!r}")
+        for name, low, high in (("alpha_safeguard", 0, 1), ("pool_epsilon", 0, math.inf), ("repair_threshold", -1, 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
+                raise ValueError(f"{name} must be a number in [{low}, {high}], got {v!r}")
+
+    @property
+    def memory_layers(self) -> str | None:
+        """``None`` without memory, ``""`` for every layer, else the layer list."""
+        if self.memory is False:
+            return None
+        return "" if self.memory is True else self.memory
+
+    def describe(self) -> str:
+        """A short label, e.g. ``adaptive/output + repair, memory off``."""
+        head = "uniform" if self.head_budgets == "uniform" else f"adaptive/{self.head_pool}"
+        mem = {True: "memory", False: "memory off"}.get(self.memory, f"memory in {self.memory}")
+        return f"{head}{' + repair' if self.repair else ''}, {mem}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "policy") -> PolicyOptions:
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"{where}: unknown policy option(s) {sorted(unknown)}; options: {sorted(names)}")
+        try:
+            return cls(**d)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+
+PAPER = PolicyOptions()  # the paper's press: uniform budgets, mass-weighted memory in every layer
+
+
+@dataclass(frozen=True)
+class Band:
+    """The options for ratios up to ``upto`` (above the previous band's), chosen at the validation ratio
+    ``validated_at``."""
+
+    upto: float
+    options: PolicyOptions
+    validated_at: float
+
+
+@dataclass
+class InferencePolicy:
+    """Bands of compression ratios, each with its options, and the record of how they were chosen.
+
+    Attributes:
+        bands: Ascending by ``upto``; the last band also covers every ratio above its ``upto``.
+        default_band: The band an absolute ``budget`` (no ratio) uses.
+        candidates: Per validation ratio (``"0.75"``), every candidate's options and validation scores.
+        validation: How the validation set was made (generator, seeds, wording, length, counts) and the rule that
+            chose among the candidates.
+    """
+
+    bands: list[Band]
+    default_band: int = 0
+    candidates: dict = field(default_factory=dict)
+    validation: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.bands:
+            raise ValueError("an inference policy needs at least one band")
+        uptos = [b.upto for b in self.bands]
+        if uptos != sorted(uptos) or len(set(uptos)) != len(uptos):
+            raise ValueError(f"policy bands must be in ascending order of 'upto', got {uptos}")
+        if not 0 <= self.default_band < len(self.bands):
+            raise ValueError(f"default_band {self.default_band} is not one of the {len(self.bands)} bands")
+
+    def band(self, ratio: float | None) -> Band:
+        """The band of ``ratio`` (``None``: the default band)."""
+        if ratio is None:
+            return self.bands[self.default_band]
+        for b in self.bands:
+            if ratio <= b.upto + 1e-12:
+                return b
+        return self.bands[-1]
+
+    def for_ratio(self, ratio: float | None) -> PolicyOptions:
+        return self.band(ratio).options
+
+    def to_dict(self) -> dict:
+        return {
+            "version": POLICY_VERSION,
+            "bands": [{"upto": b.upto, "validated_at": b.validated_at, "options": b.options.to_dict()} for b in self.bands],
+            "default_band": self.default_band,
+            "candidates": self.candidates,
+            "validation": self.validation,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "inference_policy") -> InferencePolicy:
+        if not isinstance(d, dict) or d.get("version") != POLICY_VERSION:
+            raise ValueError(f"{where}: policy version {d.get('version') if isinstance(d, dict) else d!r}, this code "
+                             f"reads v{POLICY_VERSION}")  # fmt: skip
+        try:
+            bands = [
+                Band(float(b["upto"]), PolicyOptions.from_dict(b["options"], f"{where} band {i}"), float(b["validated_at"]))
+                for i, b in enumerate(d["bands"])
+            ]
+            return cls(bands, int(d.get("default_band", 0)), d.get("candidates", {}), d.get("validation", {}))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{where}: malformed policy ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def single(cls, options: PolicyOptions, **record) -> InferencePolicy:
+        """One band for every ratio."""
+        return cls([Band(1.0, options, 0.75)], **record)
+
+
+TASKS = ("single_noise", "single_prose", "multikey_prose", "multivalue_noise")  # core_kv.eval.validation's
+MIN_SEED = 1000  # validation seeds start here; evaluation seeds (RULER 42-46, held-out needles 7...) lie below
+
+
+def candidate_grid() -> list[PolicyOptions]:
+    """The compositions the policy stage compares by default: {uniform, adaptive/score, adaptive/output} x
+    {repair off, on} x {memory on, off} (12; the paper's press first)."""
+    heads = [("uniform", "score"), ("adaptive", "score"), ("adaptive", "output")]
+    return [
+        PolicyOptions(head_budgets=h, head_pool=pool, repair=r, memory=m)
+        for m in (True, False) for h, pool in heads for r in (False, True)
+    ]  # fmt: skip
+
+
+@dataclass
+class PolicyStageConfig:
+    """The last stage of ``train.py``: choose the artifact's inference policy on validation prompts the pipeline
+    generates itself (:mod:`core_kv.eval.validation`; its own wording, keys, haystacks and seeds, disjoint from every
+    evaluation set) and record it in ``final/config.json``.
+
+    Args:
+        enabled: Run the stage (``false``: the artifact keeps no policy, i.e. runs the paper's press).
+        ratios: Validation ratios; each gets its band (edges halfway between them, :func:`bands_from_choices`).
+        tasks: Validation tasks (:data:`TASKS`).
+        length: Context tokens per validation prompt.
+        per_task: Prompts per task (the same prompts for every candidate and ratio).
+        seed: Validation seed (>= :data:`MIN_SEED`).
+        candidates: Compositions to compare, each a mapping of :class:`PolicyOptions` fields; empty = the 12 of
+            :func:`candidate_grid`.
+    """
+
+    enabled: bool = True
+    ratios: list[float] = field(default_factory=lambda: [0.5, 0.75, 0.9])
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    length: int = 2048
+    per_task: int = 5
+    seed: int = MIN_SEED
+    candidates: list[dict] = field(default_factory=list)
+
+    def check(self, prefix: str = "policy.") -> None:
+        if not self.ratios or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1
+                                  for r in self.ratios):  # fmt: skip
+            raise ValueError(f"{prefix}ratios must be a non-empty list of compression ratios in (0, 1), got {self.ratios}")
+        if len(set(self.ratios)) != len(self.ratios):
+            raise ValueError(f"{prefix}ratios has duplicates: {self.ratios}")
+        bad = [t for t in self.tasks if t not in TASKS]
+        if not self.tasks or bad:
+            raise ValueError(f"{prefix}tasks must be a non-empty subset of {list(TASKS)}, got {self.tasks}")
+        for name, low in (("length", 64), ("per_task", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{prefix}{name} must be an integer >= {low}, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < MIN_SEED:
+            raise ValueError(f"{prefix}seed must be an integer >= {MIN_SEED} (lower seeds are evaluation draws), "
+                             f"got {self.seed!r}")  # fmt: skip
+        for i, c in enumerate(self.candidates):
+            if not isinstance(c, dict):
+                raise ValueError(f"{prefix}candidates[{i}] must be a mapping of policy options, got {c!r}")
+            PolicyOptions.from_dict(dict(c), f"{prefix}candidates[{i}]")
+
+    def candidate_options(self) -> list[PolicyOptions]:
+        if not self.candidates:
+            return candidate_grid()
+        return [PolicyOptions.from_dict(dict(c), f"policy.candidates[{i}]") for i, c in enumerate(self.candidates)]
+
+
+def complexity(options: PolicyOptions) -> int:
+    """How many of the paper's choices a composition changes (the tie-break prefers fewer)."""
+    return sum((options.head_budgets != "uniform", options.head_pool != "score", options.repair,
+                options.memory is not True))  # fmt: skip
+
+
+def bands_from_choices(choices: dict[float, PolicyOptions]) -> list[Band]:
+    """Bands from the options chosen at each validation ratio: a band's edge is halfway between two validation
+    ratios (0.5, 0.75, 0.9 give ``(0, 0.625]``, ``(0.625, 0.825]``, ``(0.825, 1)``)."""
+    ratios = sorted(choices)
+    edges = [(a + b) / 2 for a, b in zip(ratios, ratios[1:], strict=False)] + [1.0]
+    return [Band(round(e, 6), choices[r], r) for e, r in zip(edges, ratios, strict=True)]
+
+
+__all__ = [
+    "HEAD_BUDGETS", "HEAD_POOLS", "MIN_SEED", "PAPER", "TASKS", "Band", "InferencePolicy", "PolicyOptions",
+    "PolicyStageConfig", "bands_from_choices", "candidate_grid", "complexity",
+]  # fmt: skip

@@ -1,0 +1,280 @@
+"""CORE's second channel: a latent memory that the evicted entries are written into, read back before ``W_O``.
+
+Paper: Liu et al., 2026 (``../shared/papers/002_8a6c3448532074fc.txt``): "eviction error equals evicted attention mass
+times the directional gap", so the evicted set is written into a memory in proportion to its mass; CORE.md "Stage 4"
+and "Inference". At every eviction event of the wrapped press (with the *final* evicted set: a repair or head-wise
+wrapper inside this one has had its say)::
+
+    E = candidates \\ kept;  w = write_weights(p, E, rule)         # p: the CORE scorer's calibrated distribution
+    memory ← write(memory, φ⁺(k̃_E), v_E, w)                        # pre-RoPE keys, from the scorer's bookkeeping
+
+and before ``o_proj`` of every later query (chunk queries, question and generated tokens) the gated readout
+``ô = o_R + g(q)(m(q) − o_R)`` (:func:`core_kv.memory.compensate_fused`) replaces the retained-cache output. The
+memory's weights (``W_φ``, the gate) come from the artifact the CORE scorer loaded.
+
+So the paper's CORE is ``LatentMemoryPress(CoreScorerPress(...))``; the ``core`` press composes it from the
+artifact's inference policy, outermost, whatever else the policy adds. Shapes: H query heads, Hkv KV heads, T tokens
+of the current forward, E evicted, D head dim, P = 512 memory features.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from core_kv.config import parse_layers
+from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
+from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules, prerope_queries_from_projection
+from core_kv.models.cache import RaggedLayer
+from core_kv.presses.base import WrapperPress
+from core_kv.presses.core_scorer import CoreScorerPress
+
+MEMORY_DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+@dataclass
+class MemoryLayer:
+    """Per-layer state of the memory: the state ``M, b, Z`` (``None`` before the first write), ``survive`` =
+    Π_e (1 − ε̂_e) per KV head (1 − it is the predicted evicted mass), and the current forward (``q_pre`` (H, T, D),
+    the cache, its RoPE tables and, for a decode step, the log-partition the attention returned)."""
+
+    survive: torch.Tensor
+    mem: MemoryState | None = None
+    fwd: dict | None = None
+
+
+@dataclass
+class LatentMemoryPress(WrapperPress, name="latent_memory"):
+    """Mass-weighted latent-memory writes of the finally evicted entries, and the gated readout (paper 002; CORE.md
+    "Stage 4", "Inference"), around a press whose stack contains the CORE scorer (the distribution, the bookkeeping
+    of positions and the artifact).
+
+    Args:
+        press: The wrapped press (its stack must contain a ``core_scorer``).
+        write_rule: ``mass`` (CORE), ``equal_event`` or ``uniform_token`` (paper Tables 3, 8); ``None`` = the
+            artifact's rule.
+        layers: Layers that write and read a memory (``"0-5,8"``); ``""`` = every layer. A policy chosen on
+            validation data may keep the memory only where it helps [a deviation from the paper's all-layer memory;
+            docs/method.md "Inference policy"].
+        budget_matched: Reduce B by the memory state's token-equivalent (state bytes per KV head / bytes of one
+            cached token), so CORE's total bytes match a baseline at the same nominal ratio (CORE.md "Inference").
+        memory_dtype: Storage dtype of the memory's ``[M | b]`` (``"bfloat16"``, ``"float16"``, ``"float32"``;
+            ``None`` = the cache's: fp32 for an fp32 model, bf16 for a 2-byte one); writes and reads compute in fp32
+            (``Z``, ``s_v``, the radius stay fp32).
+    """
+
+    press: WrapperPress | CoreScorerPress | str = "core_scorer"
+    write_rule: str | None = None
+    layers: str = ""
+    budget_matched: bool = False
+    memory_dtype: str | None = None
+
+    _memory: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _layer_set: set = field(default_factory=set, init=False, repr=False, compare=False)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.scorer is None:
+            raise ValueError(f"{self.name} needs the CORE scorer in the press it wraps (core_scorer), got {self.press!r}")
+        if self.write_rule is not None and self.write_rule not in WRITE_RULES:
+            raise ValueError(f"write_rule must be one of {WRITE_RULES} or None, got {self.write_rule!r}")
+        if self.memory_dtype not in MEMORY_DTYPES:
+            raise ValueError(f"memory_dtype must be None, float32, bfloat16 or float16, got {self.memory_dtype!r}")
+        self._layer_set = set(parse_layers(self.layers, "layers"))
+
+    @property
+    def scorer(self) -> CoreScorerPress | None:
+        return self.inner(CoreScorerPress)
+
+    @property
+    def rule(self) -> str:
+        return self.write_rule or self.scorer.core.config.write_rule
+
+    def active(self, layer: int) -> bool:
+        return not self._layer_set or layer in self._layer_set
+
+    def memory_state(self, layer: int) -> MemoryState | None:
+        """The latent memory of ``layer`` after the last event (``None`` before any write)."""
+        st = self._memory.get(layer)
+        return None if st is None else st.mem
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Budget accounting
+
+    def token_equivalent(self, cache_element_size: int) -> int:
+        """Cached tokens one KV head's memory state is worth: ``ceil(state bytes / (2 · D · bytes(dtype)))``."""
+        c = self.scorer.core.config
+        mb = self._memory_dtype(cache_element_size).itemsize  # [M | b] in the storage dtype, Z/s_v/radius fp32
+        per_head = c.memory_dim * (c.head_dim + 1) * mb + (c.head_dim + 2) * 4
+        return math.ceil(per_head / (2 * c.head_dim * cache_element_size))
+
+    def _memory_dtype(self, cache_element_size: int) -> torch.dtype:
+        if self.memory_dtype:
+            return getattr(torch, self.memory_dtype)
+        return torch.float32 if cache_element_size >= 4 else torch.bfloat16
+
+    def eviction_target(self, module: nn.Module, seen: int, prefill: bool) -> int:
+        b = self.press.eviction_target(module, seen, prefill)
+        if self.budget_matched and self.active(module.layer_idx):
+            b = max(1, b - self.token_equivalent(self.scorer.element_size(module.layer_idx)))
+        return b
+
+    def aux_bytes(self) -> int:
+        return sum(self.aux_breakdown().values())
+
+    def aux_breakdown(self) -> dict:
+        """``{"memory_state": bytes, ...}`` plus the wrapped stack's bookkeeping."""
+        inner = self.scorer.aux_breakdown()
+        mem = sum(st.mem.nbytes() for st in self._memory.values() if st.mem is not None)
+        return {"memory_state": mem, **inner}
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Hooks
+
+    def install(self, model: nn.Module) -> list:
+        handles = super().install(model)
+        if self.is_noop:
+            return handles
+        for attn in attention_modules(model):
+            if self.active(attn.layer_idx):
+                proj = attn.qkv_proj if hasattr(attn, "qkv_proj") else attn.q_proj
+                handles.append(proj.register_forward_hook(partial(self._q_hook, attn)))
+        return handles
+
+    def uninstall(self, model: nn.Module) -> None:
+        for attn in attention_modules(model):
+            attn.__dict__.pop(LSE_SINK, None)
+        super().uninstall(model)
+
+    def before_forward(self, module: nn.Module, hs: torch.Tensor, cache, kwargs: dict) -> None:
+        super().before_forward(module, hs, cache, kwargs)
+        idx = module.layer_idx
+        if self.is_noop or not self.active(idx):
+            return
+        st = self._memory.get(idx)
+        if st is None or self._state[idx]["empty_before"]:
+            st = self._memory[idx] = MemoryLayer(survive=torch.ones(module.config.num_key_value_heads, device=hs.device))
+        st.fwd = {"cache": cache, "position_embeddings": kwargs["position_embeddings"]}
+        # a decode step that will read the memory: let the attention return its log-partition (no q·K recompute)
+        if st.mem is not None and hs.shape[1] == 1 and self.sink_log_partition:
+            module.__dict__[LSE_SINK] = st.fwd
+        else:
+            module.__dict__.pop(LSE_SINK, None)
+
+    sink_log_partition = True  # the certificate observer (research/) recomputes it instead
+
+    def _q_hook(self, attn: nn.Module, proj: nn.Module, args, output: torch.Tensor) -> None:
+        st = self._memory.get(attn.layer_idx)
+        if st is not None and st.fwd is not None:
+            st.fwd["q_pre"] = prerope_queries_from_projection(attn, output)[0].float()  # (H, T, D)
+
+    def after_forward(self, module: nn.Module, hs: torch.Tensor, cache, kwargs: dict) -> None:
+        st = self._memory.get(module.layer_idx)
+        if st is not None:
+            st.fwd = None
+        super().after_forward(module, hs, cache, kwargs)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Writes: the final evicted set of every event
+
+    @torch.no_grad()
+    def evicted(self, module, keys, values, kept, lengths=None) -> None:
+        idx = module.layer_idx
+        st = self._memory.get(idx)
+        if st is not None:
+            self.write(module, st, keys, values, kept)
+        super().evicted(module, keys, values, kept, lengths)  # the scorer then keeps the retained positions
+
+    def write(self, module, st: MemoryLayer, keys, values, kept) -> None:
+        """Write the evicted entries of this event with the CORE scorer's distribution (:func:`write_weights`)."""
+        ev = self.scorer.event(module.layer_idx)
+        v = values[0]  # (Hkv, N, D)
+        hkv, n = ev.p.shape
+        keep = torch.zeros(hkv, n, dtype=torch.bool, device=v.device)
+        heads = kept[0] if isinstance(kept, torch.Tensor) else kept
+        for h in range(hkv):
+            keep[h, heads[h]] = True
+        evicted = ~keep & (torch.arange(n, device=v.device)[None] < ev.lengths[:, None])
+        st.survive = st.survive * (1 - (ev.p * evicted).sum(-1))
+        n_ev_head = evicted.sum(-1)  # (Hkv,)
+        n_ev = int(n_ev_head.max())
+        if n_ev == 0:
+            return
+        # each head's evicted indices in position order, right-padded (weight 0) to the longest head's
+        order = (torch.arange(n, device=v.device) + n * (~evicted).long()).argsort(-1)
+        ev_idx = order[:, :n_ev]
+        pad = torch.arange(n_ev, device=v.device)[None] < n_ev_head[:, None]  # (Hkv, E)
+        gather = ev_idx[..., None].expand(-1, -1, v.shape[-1])
+        wts = self.write_weights(module.layer_idx, ev.p, evicted).gather(1, ev_idx) * pad  # padding writes nothing
+        mem = st.mem if st.mem is not None else self.scorer.core.memory.empty_state(device=v.device)
+        dtype = self._memory_dtype(keys.dtype.itemsize)
+        w_phi = self.scorer.core.memory.w_phi[module.layer_idx].detach()
+        st.mem = write_fused(mem, w_phi, ev.k_pre.gather(1, gather), v.float().gather(1, gather), wts, dtype=dtype)
+
+    def write_weights(self, layer: int, p: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
+        """Write weight of every candidate (Hkv, N) (:func:`core_kv.memory.write_weights` with the rule)."""
+        return write_weights(p, evicted, self.rule)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The readout
+
+    @torch.no_grad()
+    def readout(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor | None:
+        """``ô = o_R + g (m − o_R)`` per query head before ``o_proj`` once this layer's memory holds writes."""
+        out = self.press.readout(module, attn_output)  # nothing in the shipped stacks; kept for composition
+        attn_output = attn_output if out is None else out
+        st = self._memory.get(module.layer_idx)
+        if self.is_noop or st is None or st.mem is None or st.fwd is None or "q_pre" not in st.fwd:
+            return out
+        q_pre = st.fwd["q_pre"]  # (H, T, D)
+        h, t, d = q_pre.shape
+        o_r = attn_output[0].view(t, h, d).transpose(0, 1).float()  # (H, T, D)
+        lse = st.fwd.get("lse")  # from the attention kernel (decode steps, see before_forward), else computed here
+        if lse is None:
+            lse = self.retained_lse(module, st, q_pre)
+        o_hat, g = self.compensate(module.layer_idx, st.mem, q_pre, o_r, lse.float())
+        self.observe(module, st, q_pre, o_r, o_hat, g, lse.float())
+        return o_hat.transpose(0, 1).reshape(1, t, h * d).to(attn_output.dtype)
+
+    def observe(self, module, st: MemoryLayer, q_pre, o_r, o_hat, gate, lse) -> None:
+        """After each readout (a diagnostic subclass logs the certificate here; nothing by default)."""
+
+    def compensate(self, layer: int, mem: MemoryState, q_pre, o_r, lse):
+        """``(ô, g)`` (:func:`core_kv.memory.compensate_fused`; :func:`~core_kv.memory.compensate` up to rounding)."""
+        m = self.scorer.core.memory
+        w_phi_t = m.w_phi[layer].detach().mT  # a transposed view: the matmul reads it in place
+        return compensate_fused(mem, w_phi_t, m.gate_w[layer], m.gate_b[layer], q_pre, o_r, lse)
+
+    def retained_lse(self, module, st: MemoryLayer, q_pre: torch.Tensor) -> torch.Tensor:
+        """Log-partition of each query (H, T) over the layer's cached keys, the T new ones causally; a ragged layer
+        group by group."""
+        q_post = apply_rope(module, q_pre[None], st.fwd["position_embeddings"])[0].float()
+        layer = st.fwd["cache"].layers[module.layer_idx]
+        if not isinstance(layer, RaggedLayer):
+            return _lse(module, q_post, layer.keys[0])
+        h = q_post.shape[0]
+        g = h // layer.num_heads
+        out = q_post.new_empty(h, q_post.shape[1])
+        for grp in layer.groups:
+            qh = (grp.heads[:, None] * g + torch.arange(g, device=grp.heads.device)[None]).reshape(-1)
+            out[qh] = _lse(module, q_post[qh], grp.keys[0])
+        return out
+
+
+def _lse(module, q_post: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Log-partition of queries (h, T) over keys (h_kv, S, D) of their KV heads, the T new ones causally."""
+    h, t, d = q_post.shape
+    hkv, s, _ = keys.shape
+    scaling = float(getattr(module, "scaling", d**-0.5))
+    logits = (q_post.reshape(hkv, h // hkv * t, d) @ keys.float().mT) * scaling  # (Hkv, G·T, S), row g·T + t
+    if t > 1:
+        visible = torch.arange(s, device=keys.device)[None] <= (s - t + torch.arange(t, device=keys.device))[:, None]
+        logits = logits.masked_fill(~visible.repeat(h // hkv, 1), float("-inf"))
+    return logits.logsumexp(-1).reshape(h, t)
+
+
+__all__ = ["LatentMemoryPress", "MemoryLayer"]

@@ -1,0 +1,50 @@
+"""What ``train.py`` runs: CORE's distillation (:func:`core_kv.distill.trainer.train`), then the policy stage
+(:func:`core_kv.eval.policy_stage.run_policy_stage`) that records the artifact's inference policy.
+
+Both resume: a relaunch with the same config skips the finished distillation stages and the (ratio, candidate) scores
+already in ``<out_dir>/stages/policy/``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from core_kv.distill.trainer import train as distill
+from core_kv.eval.policy_stage import policy_markdown, run_policy_stage
+from core_kv.files import atomic_write_json, atomic_write_text
+
+
+def train(cfg) -> dict:
+    """Distil (or reuse) the artifact of ``cfg``, choose its inference policy, and return the run's summary."""
+    summary = distill(cfg)
+    if not cfg.policy.enabled or int(os.environ.get("RANK", "0")) != 0:
+        return summary
+    from core_kv.teacher.docs import load_model
+
+    out = Path(cfg.out_dir)
+    artifact = out / "final"  # (summary["artifact"] is where it was trained, maybe another folder)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    model, tok = load_model(cfg.teacher.model, "cuda" if torch.cuda.is_available() else "cpu")
+    if tok is None:  # a random-init base model without a tokenizer (tests, benchmarks): no prompts to validate on
+        print("[policy] skipped: the base model has no tokenizer (teacher.model.tokenizer); the artifact keeps no "
+              "policy (the paper's press)", flush=True)  # fmt: skip
+        return summary
+    print(f"[policy] choosing the inference policy on validation prompts ({out / 'stages' / 'policy'})", flush=True)
+    policy = run_policy_stage(cfg.policy, artifact, model, tok, out / "stages" / "policy", progress=cfg.progress)
+    summary["policy"] = policy.to_dict()
+    atomic_write_json(out / "summary.json", summary)
+    report = out / "report.md"
+    text = report.read_text(encoding="utf-8") if report.is_file() else ""
+    cut = text.find("## Inference policy")
+    atomic_write_text(report, (text[:cut] if cut >= 0 else text).rstrip() + "\n\n" + policy_markdown(policy))
+    for b in policy.bands:
+        print(f"[policy] ratios up to {b.upto:g}: {b.options.describe()} (validated at {b.validated_at:g})")
+    print(f"[policy] recorded in {artifact / 'config.json'} (every candidate's scores: {report})")
+    return summary
+
+
+__all__ = ["train"]

@@ -1,0 +1,177 @@
+"""The policy stage (issue 43 item 3): it chooses an artifact's inference policy on the pipeline's own validation
+prompts — never on an evaluation context — records the policy with every candidate's scores in the artifact, and
+``build_press("core", checkpoint=...)`` applies it per ratio, an explicit option overriding it visibly."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import core_kv.eval.policy_stage as stage
+from core_kv.core_model import CoreModel
+from core_kv.eval import needles, ruler, validation
+from core_kv.policy import PAPER, InferencePolicy, PolicyOptions, PolicyStageConfig, bands_from_choices, candidate_grid
+from core_kv.presses import build_press
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ROOT / "checkpoints" / "proxy-lm")
+
+
+@pytest.fixture(scope="module")
+def llama():  # the proxy LM (its tokenizer's vocabulary), with the shipped proxy artifact
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ROOT / "checkpoints" / "proxy-lm").eval()
+
+
+@pytest.fixture(scope="module")
+def artifact():
+    return ROOT / "checkpoints" / "core-proxy" / "final"
+
+
+SMALL = dict(ratios=[0.5, 0.9], length=160, per_task=1,
+             candidates=[{}, {"memory": False}, {"head_budgets": "adaptive", "memory": False}])  # fmt: skip
+
+
+def test_policy_stage_reads_no_evaluation_context(monkeypatch, tmp_path, artifact, llama, tok):
+    """Every loader of an evaluation set (RULER, NIAH, LongBench, LooGLE, the held-out needle prompts) and the essays
+    (RULER's and NIAH's haystack) raise if called: the stage still runs to a recorded policy."""
+    import shutil
+
+    from core_kv import corpus
+    from core_kv.eval import longbench, loogle, niah
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the policy stage read an evaluation source")
+
+    for module in (ruler, niah, longbench, loogle, needles):
+        for name, fn in vars(module).items():
+            if callable(fn) and getattr(fn, "__module__", None) == module.__name__ and not isinstance(fn, type):
+                monkeypatch.setattr(module, name, forbidden)
+    for name in ("essays_text", "essay_files", "essay", "essay_dir"):
+        monkeypatch.setattr(corpus, name, forbidden)
+    art = tmp_path / "final"
+    shutil.copytree(artifact, art)
+    policy = stage.run_policy_stage(PolicyStageConfig(**SMALL), art, llama, tok, tmp_path / "work", progress=False)
+    recorded = json.loads((art / "config.json").read_text())["inference_policy"]
+    assert InferencePolicy.from_dict(recorded).to_dict() == policy.to_dict()
+    assert set(recorded["candidates"]) == {"0.5", "0.9"}
+    assert all(len(rows) == 3 for rows in recorded["candidates"].values())
+    v = recorded["validation"]
+    assert v["generator"] == "core_kv.eval.validation" and v["seed"] >= validation.MIN_SEED and "full_cache" in v
+
+
+def test_validation_templates_share_nothing_with_the_evaluation_templates():
+    """No sentence of a validation template (needles, questions, answer prefixes, filler) appears in RULER's templates
+    or the held-out needle wordings, and the keys have another form."""
+    ours = [validation.NEEDLE, validation.NEEDLE_MULTI, validation.QUESTION, validation.QUESTION_MULTI,
+            validation.PREFIX, validation.PREFIX_MULTI, *validation.PROSE_TEMPLATES]  # fmt: skip
+    theirs = " ".join(
+        [ruler.NEEDLE, ruler.NOISE, *["".join(t) for t in ruler.TEMPLATES.values()]]
+        + [x for w in needles.WORDINGS.values() for x in w]
+    ).lower()
+    stem = lambda s: re.sub(r"\{[a-z0-9_]+\}", "", s).lower().strip(" .:?")  # noqa: E731
+    for template in ours:
+        for part in re.split(r"[.:?]", stem(template)):
+            part = part.strip()
+            if len(part.split()) >= 3:
+                assert part not in theirs, (template, part)
+    for sentence in filter(None, (x.strip(". ").lower() for x in validation.FILLER.split(". "))):
+        assert sentence not in theirs
+
+
+def test_validation_prompts_are_deterministic_and_sized(tok):
+    a = validation.validation_set(tok, validation.TASKS, 300, 2, 1000)
+    b = validation.validation_set(tok, validation.TASKS, 300, 2, 1000)
+    assert a == b and len(a) == 8
+    assert a != validation.validation_set(tok, validation.TASKS, 300, 2, 1001)
+    for p in a:
+        n = len(tok.encode(p.context, add_special_tokens=False))
+        assert 150 <= n <= 300, (p.task, n)
+        assert p.answer.strip(" .").split(" and ")[0] in p.context
+        assert re.fullmatch(r"[a-z]+-\d{3}", p.question.split(" of ")[-1].rstrip("?"))
+    multi = [p for p in a if p.task == "multivalue_noise"][0]
+    v1, v2 = multi.answer.strip(" .").split(" and ")
+    assert multi.context.index(v1) < multi.context.index(v2)  # the answer lists the values in reading order
+
+
+@pytest.mark.parametrize("seed", [7, 42, 46, 999, -1])
+def test_evaluation_seeds_are_refused(seed, tok):
+    with pytest.raises(ValueError, match="seed"):
+        validation.build(tok, "single_noise", 200, 1, seed)
+    with pytest.raises(ValueError, match="policy.seed"):
+        PolicyStageConfig(seed=seed).check()
+
+
+def test_choice_is_accuracy_then_logprob_then_the_fewest_changes():
+    a, b, c = PAPER, PolicyOptions(memory=False), PolicyOptions(head_budgets="adaptive", head_pool="output")
+    s = lambda acc, lp: {"accuracy": acc, "logprob": lp}  # noqa: E731
+    assert stage.choose([(a, s(0.5, -1.0)), (b, s(0.6, -9.0)), (c, s(0.6, -2.0))]) == c
+    assert stage.choose([(a, s(0.5, -1.0)), (b, s(0.5, -1.0)), (c, s(0.5, -1.0))]) == a
+    assert stage.choose([(c, s(0.5, -1.0)), (b, s(0.5, -1.0))]) == b
+
+
+def test_bands_split_halfway_and_the_press_applies_them(tmp_path, artifact):
+    import shutil
+
+    choices = {0.5: PolicyOptions(head_budgets="adaptive", head_pool="output", memory=False),
+               0.75: PolicyOptions(memory=False),
+               0.9: PolicyOptions(head_budgets="adaptive", repair=True, memory="0-1")}  # fmt: skip
+    bands = bands_from_choices(choices)
+    assert [b.upto for b in bands] == [0.625, 0.825, 1.0]
+    art = tmp_path / "final"
+    shutil.copytree(artifact, art)
+    stage.record(art, InferencePolicy(bands, 1))
+    for ratio, want in ((0.3, choices[0.5]), (0.625, choices[0.5]), (0.7, choices[0.75]), (0.95, choices[0.9])):
+        press = build_press("core", checkpoint=str(art), compression_ratio=ratio)
+        assert press.options == want and press.overrides() == {}
+        assert want.describe() in repr(press)
+    assert build_press("core", checkpoint=str(art), budget=100).options == choices[0.75]  # the default band
+    paper = build_press("core", checkpoint=str(art), compression_ratio=0.7, policy="paper")
+    assert paper.options == PAPER and paper.memory_press is not None
+    over = build_press("core", checkpoint=str(art), compression_ratio=0.95, repair=False)
+    assert over.options.repair is False and over.options.head_budgets == "adaptive"
+    assert "overrides={'repair': False}" in repr(over)
+    cfg = over.config_dict()
+    assert cfg["overrides"] == {"repair": False} and cfg["applied"]["memory"] == "0-1"
+    assert over.memory_press.layers == "0-1" and over.memory_press.active(1) and not over.memory_press.active(2)
+
+
+def test_stage_resumes_from_its_cached_scores_and_refreshes_them_for_new_weights(monkeypatch, tmp_path, artifact,
+                                                                                   llama, tok):  # fmt: skip
+    import shutil
+
+    art = tmp_path / "final"
+    shutil.copytree(artifact, art)
+    cfg = PolicyStageConfig(**{**SMALL, "candidates": [{}, {"memory": False}]})
+    calls = []
+    real = stage.score_prompt
+    monkeypatch.setattr(stage, "score_prompt", lambda *a: calls.append(1) or real(*a))
+    first = stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
+    n = len(calls)
+    assert n == 4 * (1 + 2 * 2)  # 4 prompts x (full cache + 2 ratios x 2 candidates)
+    second = stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
+    assert len(calls) == n and second.candidates == first.candidates  # everything came from the cache
+    core = CoreModel.from_pretrained(art)
+    core.indexer.temperature.fill_(3.0)
+    core.save_pretrained(art)
+    stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
+    assert len(calls) == 2 * n  # other weights: every score recomputed
+
+
+def test_candidate_grid_and_bad_policy_options():
+    grid = candidate_grid()
+    assert len(grid) == 12 and grid[0] == PAPER and len(set(grid)) == 12
+    for bad, what in (({"head_pool": "output"}, "head_budgets"), ({"memory": "x"}, "memory"),
+                      ({"repair": "yes"}, "repair"), ({"alpha_safeguard": 2}, "alpha_safeguard"), ({"k": 1}, "k")):  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            PolicyStageConfig(candidates=[bad]).check()
