@@ -282,14 +282,13 @@ def test_core_retained_sets_on_a_global_layer_match_replay(core_artifact):
     model = gemma("gemma3")
     press = CorePress.from_pretrained(path, compression_ratio=0.5)
     kept: dict[int, list[torch.Tensor]] = {1: [], 3: []}
-    event = press._event
+    scorer, evicted = press.scorer, press.scorer.evicted
 
-    def recording(module, st, *args):
-        out = event(module, st, *args)
-        kept[module.layer_idx].append(st["pos"].clone())
-        return out
+    def recording(module, *args):
+        evicted(module, *args)
+        kept[module.layer_idx].append(scorer._layers[module.layer_idx].pos.clone())
 
-    press._event = recording
+    scorer.evicted = recording
     ctx = ids()
     prefill(model, ctx, press, chunk_size=64)
     spec = ReplaySpec(chunk_size=64, ratio=0.5, protected_sinks=4, protected_recent=32, policy="student",
@@ -363,7 +362,14 @@ def test_train_py_on_a_hybrid_model_trains_global_layers_only(tmp_path):
     calib = json.loads((out / "stages" / "calibration.json").read_text())
     assert calib["temperature"][0] == calib["temperature"][2] == 1.0  # window layers: no event, the default T
     assert math.isfinite(calib["before"]) and math.isfinite(calib["after"])  # averaged over the global layers
+    # the policy stage ran on the hybrid model and recorded a composition per band; with it (head-wise budgets
+    # possibly) each global layer keeps exactly Hkv * N/4 in all, the window layers their window
     press = CorePress.from_pretrained(out / "final", compression_ratio=0.75)
-    cache = prefill(model, ids(), press)
-    assert kv_bytes(cache)["tokens_per_head"] == [[W - 1] * 2, [N // 4] * 2, [W - 1] * 2, [N // 4] * 2]
+    assert press.core.config.inference_policy["bands"]
+    tokens = kv_bytes(prefill(model, ids(), press))["tokens_per_head"]
+    assert tokens[0] == tokens[2] == [W - 1] * 2
+    assert sum(tokens[1]) == sum(tokens[3]) == 2 * (N // 4)
+    # the paper's press (uniform budgets, memory in every compressed layer): memory events on global layers only
+    press = CorePress.from_pretrained(out / "final", compression_ratio=0.75, policy="paper")
+    assert kv_bytes(prefill(model, ids(), press))["tokens_per_head"] == [[W - 1] * 2, [N // 4] * 2] * 2
     assert press.memory_state(1).events == 1 and press.memory_state(0) is None

@@ -234,7 +234,7 @@ def prerope_queries_from_projection(module: nn.Module, projected: torch.Tensor) 
     forward hook on the projection sees, without a second projection."""
     b, t, _ = projected.shape
     q = projected[..., : module.config.num_attention_heads * module.head_dim].view(b, t, -1, module.head_dim)
-    if hasattr(module, "q_norm"):
+    if family(module).qk_norm:
         q = module.q_norm(q)
     return q.transpose(1, 2)
 
