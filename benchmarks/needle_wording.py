@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
     try:
-        presses = {r: build_labelled_presses(args.methods, parse_press_options(args.press_option), r) for r in args.ratios}
+        presses = {
+            r: build_labelled_presses(args.methods, parse_press_options(args.press_option), r) for r in args.ratios
+        }
     except ValueError as e:
         raise SystemExit(str(e)) from None
     cells = [("full", 0.0)] if "full" in args.methods else []

@@ -10,6 +10,7 @@ Shapes: L layers, H query heads, Hkv KV heads, D head dim, F = 14 features, d_z 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from core_kv.features import FEATURE_SPECS, spec, spec_differences
 from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
+from core_kv.models.loading import looks_local
 from core_kv.policy import PAPER, InferencePolicy
 
 ARTIFACT_VERSION = 1
@@ -166,7 +168,21 @@ class CoreModel(CorePreTrainedModel):
         kwargs.setdefault("local_files_only", True)
         if Path(path).is_dir():
             check_artifact(Path(path))
-        core = super().from_pretrained(path, *args, **kwargs)
+        elif Path(path).exists():
+            raise FileNotFoundError(f"{path} is a file; a CORE artifact is a folder (config.json + model.safetensors)")
+        elif looks_local(str(path)):
+            raise FileNotFoundError(
+                f"CORE artifact folder {path} does not exist (expected config.json + model.safetensors)"
+            )
+        try:
+            core = super().from_pretrained(path, *args, **kwargs)
+        except OSError as e:  # a hub id that is not in the local cache (or cannot be downloaded)
+            if Path(path).is_dir():
+                raise
+            raise FileNotFoundError(
+                f"CORE artifact {str(path)!r}: no such folder, and no hub model of that id could be loaded "
+                f"(local_files_only={kwargs['local_files_only']}): {str(e).splitlines()[0]}"
+            ) from e
         if core.config.artifact_version != ARTIFACT_VERSION:
             raise ValueError(f"{path}: artifact v{core.config.artifact_version}, this code reads v{ARTIFACT_VERSION}")
         differ = spec_differences(core.config.feature_spec)
@@ -195,6 +211,22 @@ class CoreModel(CorePreTrainedModel):
 def check_artifact(path: Path) -> None:
     """Raise ``ValueError`` naming the file when an artifact folder's config or tensors are unusable."""
     cfg_file, weights = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file():
+        raise ValueError(
+            f"{path} is not a CORE artifact folder: no config.json (expected config.json + model.safetensors)"
+        )
+    try:
+        stored = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{cfg_file}: unreadable CORE config ({e})") from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"{cfg_file}: not a CORE config (a JSON object), got a {type(stored).__name__}")
+    model_type = stored.get("model_type")
+    if model_type != CoreConfig.model_type:
+        raise ValueError(
+            f"{path} is not a CORE artifact (config.json model_type {model_type!r}, expected 'core_kv'): a base "
+            "model folder? CORE artifacts are the final/ folders train.py writes"
+        )
     try:
         config = CoreConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, TypeError) as e:

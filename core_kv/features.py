@@ -291,10 +291,13 @@ class FeatureStats:
     def load(cls, path: str | Path) -> FeatureStats:
         from safetensors import safe_open
 
-        with safe_open(str(path), "pt") as f:
-            version = int((f.metadata() or {}).get("version", -1))
+        try:
+            with safe_open(str(path), "pt") as f:
+                version = int((f.metadata() or {}).get("version", -1))
+            t = load_file(str(path))
+        except Exception as e:  # safetensors' errors (a truncated file) name no path
+            raise ValueError(f"{path}: unreadable feature statistics ({type(e).__name__}: {e})") from e
         check_version(version, f"{path}: feature statistics")
-        t = load_file(str(path))
         return cls(t["mean"], t["std"], version)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +20,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        with writing(path):  # a full disk is named as such, with the path
+            write(tmp)
+            os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -48,11 +52,69 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """Read a JSONL file; a truncated last line (interrupted append) raises a clear error."""
     rows = []
     with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: corrupt JSONL line ({e}); delete the file to regenerate it") from e
+        try:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: corrupt JSONL line ({e}); delete the file to regenerate it") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): not a JSONL file") from None
     return rows
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """Read a JSON file; a missing, binary or malformed one raises naming the file (``what`` says what it is)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: {what} not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable {what} ({type(e).__name__}: {e})") from None
+
+
+LOW_SPACE = 64 * 2**20  # bytes: below this, a failed write is taken as a full disk
+
+
+def _free_bytes(path: Path) -> int | None:
+    for folder in (path, *path.parents):
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free
+            except OSError:
+                return None
+    return None
+
+
+def disk_full(error: BaseException, path: str | os.PathLike) -> bool:
+    """Whether ``error``, raised while writing under ``path``, is a full disk: ``ENOSPC``/``EDQUOT`` (also inside
+    safetensors' messages), or any failure when the disk holding ``path`` has under :data:`LOW_SPACE` left (torch's
+    writer reports a full disk as ``unexpected pos``)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    if "No space left" in text or "StorageFull" in text or "Disk quota exceeded" in text:
+        return True
+    free = _free_bytes(Path(path))
+    return free is not None and free < LOW_SPACE
+
+
+@contextmanager
+def writing(path: str | os.PathLike, what: str = "file") -> Iterator[None]:
+    """Re-raise a write that fails under ``path`` on a full disk as ``OSError(ENOSPC)`` naming ``what`` and the path
+    (other errors pass unchanged)."""
+    try:
+        yield
+    except Exception as e:
+        if not disk_full(e, path):
+            raise
+        free = _free_bytes(Path(path))
+        raise OSError(
+            errno.ENOSPC,
+            f"the disk is full: cannot write the {what} {path} ({free if free is not None else '?'} bytes free); free "
+            f"some space and rerun the same command (it resumes from the last complete checkpoint) [{type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}]",
+        ) from e

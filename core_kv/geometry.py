@@ -103,13 +103,16 @@ class Geometry:
     def load(cls, path: str | Path, expect_fingerprint: dict | None = None) -> Geometry:
         from safetensors import safe_open
 
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+            t = load_file(str(path))
+        except Exception as e:  # safetensors' errors (a truncated file) name no path
+            raise ValueError(f"{path}: unreadable geometry file ({type(e).__name__}: {e})") from e
         if meta.get("version") != str(GEOMETRY_VERSION):
             raise ValueError(f"{path}: geometry version {meta.get('version')!r}, this code reads {GEOMETRY_VERSION}")
         fp = json.loads(meta["fingerprint"])
         if expect_fingerprint is not None:
             check_fingerprint(fp, expect_fingerprint, f"geometry {path}")
-        t = load_file(str(path))
         calib = json.loads(meta.get("calibration", "{}"))
         return cls(t["mean"], t["proj"], t["prototypes"], t["gamma"], t["kmm_inv_sqrt"], fp, calib)

@@ -2,7 +2,7 @@
 
 The context is prefilled under the press (compressed once); each ``question + question_suffix + answer_prefix``
 is fed on top of the compressed cache with positions continuing from the *original* context length, then decoded
-greedily up to ``max_new_tokens`` or EOS; the question and answer are trimmed from the cache afterwards, so all
+greedily up to ``max_new_tokens`` or EOS (never on the first token: :func:`greedy_answer`); the question and answer are trimmed from the cache afterwards, so all
 questions of a context share one compression. Without a chat template the context gets a leading BOS and the
 question suffix is ``"\\n"``; with one, the user turn is split at a separator exactly as kvpress does.
 
@@ -20,8 +20,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from core_kv.config import check_value, shown
 from core_kv.models.attention import new_cache
 from core_kv.models.cache import cache_kwarg, cache_marks, crop_cache, kv_bytes
+from core_kv.models.loading import check_context_window
 from core_kv.presses.base import BasePress
 
 
@@ -119,11 +121,15 @@ def greedy_answer(
     eos_token_ids: list[int] | None = None,
     trim: bool = True,
     stop_token_ids: list[int] | None = None,
+    min_new_tokens: int = 1,
 ) -> list[int]:
     """Feed ``question_ids`` on top of ``cache`` at positions ``context_length...`` and decode greedily.
 
     Decoding ends at an eos token, or at a ``stop_token_ids`` token once at least one token was generated (neither
-    is returned).
+    is returned). The first ``min_new_tokens`` tokens are never eos: eos is excluded from their argmax
+    (transformers' ``min_new_tokens``). The default 1 is the harness's eos protocol (``docs/evaluation.md``): an
+    instruct model that closes its turn at once (SmolLM2 after NIAH's ``Answer:``) answers with its best non-eos
+    token instead of the empty answer; kvpress never checks the first token and decodes past the eos instead.
 
     The press stays installed (ragged attention, decode-time eviction, memory readout) but does not compress
     the question unless it has ``decoding=True``. With ``trim`` the cache is restored to its pre-question size.
@@ -142,7 +148,12 @@ def greedy_answer(
             position_ids = torch.arange(pos, pos + ids.shape[1], device=device)[None]
             out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{key: cache})
             pos += ids.shape[1]
-            token = int(out.logits[0, -1].argmax())
+            logits = out.logits[0, -1]
+            banned = [t for t in sorted(eos) if t < logits.shape[-1]] if len(generated) < min_new_tokens else []
+            if banned:  # the answer may not end before min_new_tokens (an eos id outside the vocabulary never wins)
+                logits = logits.clone()
+                logits[banned] = float("-inf")
+            token = int(logits.argmax())
             if token in eos or (generated and token in stop):
                 break
             generated.append(token)
@@ -176,6 +187,62 @@ def newline_token_ids(tokenizer) -> list[int]:
     return cached[1]
 
 
+def check_generation_args(
+    context,
+    questions,
+    press=None,
+    answer_prefixes=None,
+    max_new_tokens=32,
+    chunk_size=None,
+    use_chat_template=None,
+    max_context_length=None,
+    stop_at_newline=False,
+) -> list[int]:
+    """The one check of :func:`answer_questions`' arguments (the rule of :func:`core_kv.config.check_value`); returns
+    each question's generation budget. Raises ``ValueError`` naming the argument, what is wrong and what would do."""
+    check_value(context, str, "context")
+    if not context.strip():
+        raise ValueError("context is empty: there is nothing to compress (pass the long text the questions are about)")
+    check_value(questions, list[str], "questions")
+    if not questions:
+        raise ValueError("questions is empty: pass at least one question")
+    if answer_prefixes is not None:
+        check_value(answer_prefixes, list[str], "answer_prefixes")
+        if len(answer_prefixes) != len(questions):
+            raise ValueError(f"answer_prefixes has {len(answer_prefixes)} entries for {len(questions)} questions")
+    if isinstance(max_new_tokens, (list, tuple)):
+        check_value(list(max_new_tokens), list[int], "max_new_tokens", ge=1)
+        if len(max_new_tokens) != len(questions):
+            raise ValueError(
+                f"max_new_tokens has {len(max_new_tokens)} budgets for {len(questions)} questions: give one per "
+                "question, or one integer for all"
+            )
+        budgets = list(max_new_tokens)
+    else:
+        check_value(max_new_tokens, int, "max_new_tokens", ge=1)
+        budgets = [max_new_tokens] * len(questions)
+    check_value(chunk_size, int | None, "chunk_size", ge=1)
+    check_value(max_context_length, int | None, "max_context_length", ge=1)
+    check_value(use_chat_template, bool | None, "use_chat_template")
+    check_value(stop_at_newline, bool, "stop_at_newline")
+    if isinstance(press, str):
+        raise ValueError(
+            f"press must be a press object, got the name {press!r}: build it with "
+            f"build_press({press!r}, compression_ratio=...) (core_kv.presses)"
+        )
+    if press is not None and not isinstance(press, BasePress):
+        raise ValueError(f"press must be a press built with core_kv.presses.build_press, or None; got {shown(press)}")
+    return [int(b) for b in budgets]
+
+
+def check_window(model: nn.Module, context_tokens: int, question_tokens: int, budget: int, what: str = "") -> None:
+    """Raise :class:`~core_kv.models.loading.ContextWindowError` when the context, the question and the generation
+    budget do not fit the model's context window (the check of :func:`answer_questions` and of ``eval.py``)."""
+    total = context_tokens + question_tokens + budget
+    detail = f"{context_tokens} context + {question_tokens} question tokens + {budget} new tokens"
+    check_context_window(model, total, f"{what}: {detail}" if what else detail)
+
+
 def answer_questions(
     model: nn.Module,
     tokenizer,
@@ -188,25 +255,29 @@ def answer_questions(
     use_chat_template: bool | None = None,
     max_context_length: int | None = None,
     stop_at_newline: bool = False,
+    min_new_tokens: int = 1,
 ) -> dict:
     """Compress ``context`` once and answer every question on that cache.
 
-    ``stop_at_newline`` ends each answer before the first token after the first one whose text contains a newline.
+    ``stop_at_newline`` ends each answer before the first token after the first one whose text contains a newline;
+    ``min_new_tokens`` tokens are generated before eos may end an answer (:func:`greedy_answer`).
     Returns ``{"answers": [str], "context_length": N, "kv_bytes": {...}, "aux_bytes": int}``.
 
     Raises:
-        ValueError: an empty (or whitespace-only) ``context``, no ``questions``, or ``questions`` given as a string.
+        ValueError: a bad argument (:func:`check_generation_args`: an empty or non-string ``context``, no
+            ``questions`` or a non-string one, a ``max_new_tokens`` that is not a positive integer or one per
+            question, a press given by name, ...).
+        ContextWindowError: the context, a question and its budget do not fit the model's context window.
     """
-    if isinstance(questions, str) or not isinstance(questions, (list, tuple)):
-        raise ValueError(f"questions must be a list of strings, got {type(questions).__name__}")
-    if not questions:
-        raise ValueError("questions is empty: pass at least one question")
-    if not isinstance(context, str) or not context.strip():
-        raise ValueError("context is empty: there is nothing to compress (pass the long text the questions are about)")
+    budgets = check_generation_args(
+        context, questions, press, answer_prefixes, max_new_tokens, chunk_size, use_chat_template,
+        max_context_length, stop_at_newline,
+    )  # fmt: skip
     enc = encode(tokenizer, context, questions, answer_prefixes, use_chat_template, max_context_length)
     stop = newline_token_ids(tokenizer) if stop_at_newline else None
-    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(questions)
     n = enc.context_ids.shape[1]
+    for i, (q_ids, budget) in enumerate(zip(enc.question_ids, budgets, strict=True)):
+        check_window(model, n, q_ids.shape[1], budget, f"question {i}")
     answers, cache = [], None
     for i, (q_ids, budget) in enumerate(zip(enc.question_ids, budgets, strict=True)):
         if cache is None or (press is not None and press.decoding):
@@ -214,6 +285,8 @@ def answer_questions(
             if i == 0:
                 payload = kv_bytes(cache)
                 aux = press.aux_bytes() if press is not None else 0
-        tokens = greedy_answer(model, cache, n, q_ids, budget, press, stop_token_ids=stop)
+        tokens = greedy_answer(
+            model, cache, n, q_ids, budget, press, stop_token_ids=stop, min_new_tokens=min_new_tokens
+        )
         answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
     return {"answers": answers, "context_length": n, "kv_bytes": payload, "aux_bytes": aux}

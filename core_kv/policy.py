@@ -57,6 +57,9 @@ class PolicyOptions:
         if not isinstance(self.repair, bool):
             raise ValueError(f"repair must be true or false, got {self.repair!r}")
         if isinstance(self.memory, str):
+            if self.memory.strip().lower() in ("true", "false", "yes", "no", "on", "off", "0", "1", "none", ""):
+                raise ValueError(f"memory must be true or false (a boolean) or a layer list like '0-5,8', got the "
+                                 f"string {self.memory!r}")  # fmt: skip
             if not parse_layers(self.memory, "memory"):  # raises naming the option for a malformed list
                 raise ValueError("memory: give true, false or a non-empty layer list like '0-5,8'")
         elif not isinstance(self.memory, bool):
@@ -148,7 +151,9 @@ class InferencePolicy:
     def to_dict(self) -> dict:
         return {
             "version": POLICY_VERSION,
-            "bands": [{"upto": b.upto, "validated_at": b.validated_at, "options": b.options.to_dict()} for b in self.bands],
+            "bands": [
+                {"upto": b.upto, "validated_at": b.validated_at, "options": b.options.to_dict()} for b in self.bands
+            ],
             "default_band": self.default_band,
             "candidates": self.candidates,
             "validation": self.validation,
@@ -161,7 +166,11 @@ class InferencePolicy:
                              f"reads v{POLICY_VERSION}")  # fmt: skip
         try:
             bands = [
-                Band(float(b["upto"]), PolicyOptions.from_dict(b["options"], f"{where} band {i}"), float(b["validated_at"]))
+                Band(
+                    float(b["upto"]),
+                    PolicyOptions.from_dict(b["options"], f"{where} band {i}"),
+                    float(b["validated_at"]),
+                )
                 for i, b in enumerate(d["bands"])
             ]
             return cls(bands, int(d.get("default_band", 0)), d.get("candidates", {}), d.get("validation", {}))
@@ -216,7 +225,9 @@ class PolicyStageConfig:
     def check(self, prefix: str = "policy.") -> None:
         if not self.ratios or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1
                                   for r in self.ratios):  # fmt: skip
-            raise ValueError(f"{prefix}ratios must be a non-empty list of compression ratios in (0, 1), got {self.ratios}")
+            raise ValueError(
+                f"{prefix}ratios must be a non-empty list of compression ratios in (0, 1), got {self.ratios}"
+            )
         if len(set(self.ratios)) != len(self.ratios):
             raise ValueError(f"{prefix}ratios has duplicates: {self.ratios}")
         bad = [t for t in self.tasks if t not in TASKS]

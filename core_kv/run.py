@@ -12,16 +12,28 @@ from pathlib import Path
 
 import torch
 
+from core_kv.distill.report import next_steps
 from core_kv.distill.trainer import train as distill
 from core_kv.eval.policy_stage import policy_markdown, run_policy_stage
 from core_kv.files import atomic_write_json, atomic_write_text
 
 
 def train(cfg) -> dict:
-    """Distil (or reuse) the artifact of ``cfg``, choose its inference policy, and return the run's summary."""
+    """Distil (or reuse) the artifact of ``cfg``, choose its inference policy, and return the run's summary; the last
+    lines printed are the artifact, its report and the commands that load and evaluate it."""
     summary = distill(cfg)
-    if not cfg.policy.enabled or int(os.environ.get("RANK", "0")) != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         return summary
+    if cfg.policy.enabled:
+        summary = choose_policy(cfg, summary)
+    spec = cfg.teacher.model
+    model = "<the base model (random_init: build it as teacher.model describes)>" if spec.random_init else spec.path
+    print(next_steps(model, str(Path(cfg.out_dir) / "final"), cfg.out_dir), flush=True)
+    return summary
+
+
+def choose_policy(cfg, summary: dict) -> dict:
+    """The policy stage on ``<out_dir>/final`` (skipped, with a note, for a base model without a tokenizer)."""
     from core_kv.teacher.docs import load_model
 
     out = Path(cfg.out_dir)
@@ -47,4 +59,4 @@ def train(cfg) -> dict:
     return summary
 
 
-__all__ = ["train"]
+__all__ = ["choose_policy", "train"]

@@ -97,7 +97,9 @@ class CertifiedMemoryPress(LatentMemoryPress, name="latent_memory_certified"):
                 g = idx_t[..., None].expand(-1, -1, keys.shape[-1])
                 new = (keys[0].gather(1, g), values[0].gather(1, g), valid.to(keys.device))
                 old = self._shadow.get(idx)
-                self._shadow[idx] = new if old is None else tuple(torch.cat([a, b], 1) for a, b in zip(old, new, strict=True))
+                self._shadow[idx] = (
+                    new if old is None else tuple(torch.cat([a, b], 1) for a, b in zip(old, new, strict=True))
+                )
         super().evicted(module, keys, values, kept, lengths)
 
     def write(self, module, st: MemoryLayer, keys, values, kept) -> None:
@@ -165,7 +167,9 @@ class CertifiedCorePress(CorePress, name="core_certified"):
     def validate(self) -> None:
         super().validate()
         if self.memory_press is None:
-            raise ValueError(f"{self.name} audits the memory, but this composition ({self.options.describe()}) has none")
+            raise ValueError(
+                f"{self.name} audits the memory, but this composition ({self.options.describe()}) has none"
+            )
         self.memory_press.certificate_delta, self.memory_press.write_noise = self.certificate_delta, self.write_noise
         self.memory_press.validate()
 

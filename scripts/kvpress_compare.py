@@ -18,9 +18,9 @@ transformers < 5.3, so it runs in a throwaway venv of its own). Three steps::
 under the press (``with press(model)``), recovers every layer-head's kept positions by matching the compressed
 cache's key rows against the full cache's (one-shot prefill computes every layer's keys from uncompressed hidden
 states, so a kept row is bit-identical), then feeds the question ids at positions ``N…`` and decodes greedily up
-to ``--max-new-tokens``, stopping at an eos token (the first one too: core_kv's protocol, ``docs/evaluation.md``;
-kvpress's own pipeline never checks the first token, which this loop does not imitate, so both libraries are
-compared under one protocol). core_kv's press stays installed while decoding (its pipeline does so; these
+to ``--max-new-tokens``, stopping at an eos token after the first token, which is never eos (eos is excluded from its
+argmax: core_kv's protocol, ``docs/evaluation.md``; kvpress's own pipeline never checks the first token and decodes
+on past it, which this loop does not imitate, so both libraries are compared under one protocol). core_kv's press stays installed while decoding (its pipeline does so; these
 uniform presses leave a plain cache, so it changes nothing); kvpress's press covers the prefill only, as in its
 pipeline. Times: prefill + compression of the context (s), and decode ms per generated token after the first.
 
@@ -159,7 +159,10 @@ def run(args) -> None:
                                    logits_to_keep=1).logits  # fmt: skip
                     steps.append(time.perf_counter() - t1)
                     pos += ids.shape[1]
-                    token = int(logits[0, -1].argmax())
+                    last = logits[0, -1].clone()
+                    if not tokens and eos:  # the first token is never eos (core_kv's protocol)
+                        last[[t for t in sorted(eos) if t < last.shape[-1]]] = float("-inf")
+                    token = int(last.argmax())
                     if token in eos:
                         break
                     tokens.append(token)

@@ -1,6 +1,6 @@
 """Plot a RULER-style grid (score vs fraction removed) from a CSV of measured cells, one line per method.
 
-The grids in ``docs/results.md`` are assembled from several ``eval.py`` runs (different output folders, different
+The grids in ``docs/notebook.md`` are assembled from several ``eval.py`` runs (different output folders, different
 days); this script draws their tables from one CSV that names, for every cell, the results folder it came from::
 
     python scripts/plot_grid.py docs/figures/smollm2_ruler_2k.csv docs/figures/smollm2_ruler_2k.png \\
@@ -23,7 +23,7 @@ import csv
 from pathlib import Path
 
 from core_kv.eval.benchmarks import Benchmark
-from core_kv.eval.report import plot_compression_curves
+from core_kv.eval.report import MARKERS, dodge, plot_compression_curves, wrap
 
 COLUMNS = ("method", "ratio", "average")
 
@@ -77,10 +77,14 @@ def plot_length_curves(cells: list[dict], path: Path, title: str) -> Path:
     for ax, r in zip(axes, ratios, strict=True):
         if ref:
             ax.plot(*zip(*ref, strict=True), color="black", linestyle="--", linewidth=1, label="full (no compression)")
+        series = {m: sorted((c["length"], c["average"]) for c in cells if c["method"] == m and c["ratio"] == r)
+                  for m in methods}  # fmt: skip
+        offsets = dodge(series, step=0.06, spread=0.4)  # in octaves: tied points side by side on the log axis
         for i, m in enumerate(methods):
-            pts = sorted((c["length"], c["average"]) for c in cells if c["method"] == m and c["ratio"] == r)
+            pts = [(x * 2 ** offsets[(m, x)], y) for x, y in series[m]]
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="osD^v<>"[i % 7], color=f"C{i % 10}", label=m)
+                ax.plot(*zip(*pts, strict=True), marker=MARKERS[i % len(MARKERS)], color=f"C{i % 10}", label=m,
+                        markeredgecolor="black", markeredgewidth=0.5)  # fmt: skip
         ax.set_xscale("log", base=2)
         lengths = sorted({c["length"] for c in cells})
         ax.set_xticks(lengths, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
@@ -88,11 +92,11 @@ def plot_length_curves(cells: list[dict], path: Path, title: str) -> Path:
         ax.set_xlabel("context length (tokens)")
         ax.set_title(f"{r:.0%} removed", fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(cells[0]["average_label"])
+    axes[0].set_ylabel(wrap(cells[0]["average_label"], 40))
     axes[-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(wrap(title, 40 * len(ratios) + 20), fontsize=10)
     fig.tight_layout()
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png", bbox_inches="tight"))
 
 
 def main(argv: list[str] | None = None) -> Path:

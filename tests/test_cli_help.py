@@ -90,21 +90,66 @@ CONFIG_ENTRY_POINTS = {
 }
 
 
+def _blocks(out: str) -> dict[str, str]:
+    """Option name -> its help block (the ``name  type  = default`` line and the indented doc lines below it)."""
+    blocks: dict[str, str] = {}
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("options ("))
+    name = None
+    for line in lines[start + 1 :]:
+        if line.startswith("  ") and not line.startswith("      "):
+            name = line.split()[0]
+            blocks[name] = line
+        elif name is not None:
+            blocks[name] += "\n" + line
+    return blocks
+
+
 @pytest.mark.parametrize("target", sorted(CONFIG_ENTRY_POINTS))
 def test_help_lists_every_config_field_with_type_default_and_doc(target, capsys, monkeypatch):
+    """Every field has a block with its type, its default and its doc, whole (issue 47: texts were cut at the first
+    line, and teacher.lam, features, utility_pool, d_z, qa_weight had none)."""
     import importlib
 
     kind = "file" if target.endswith(".py") else "module"
     out = _run_help(target, kind, capsys, monkeypatch)
     module, name = CONFIG_ENTRY_POINTS[target]
     schema = getattr(importlib.import_module(module), name)
-    lines = out.splitlines()
+    blocks = _blocks(out)
     for leaf in _leaves(schema):
-        assert any(line.split()[:1] == [leaf] for line in lines), f"{leaf} missing from --help:\n{out[:3000]}"
+        assert leaf in blocks, f"{leaf} missing from --help:\n{out[:3000]}"
+        assert len(blocks[leaf].splitlines()) >= 2, f"{leaf} has no doc:\n{blocks[leaf]}"
     if target == "train.py":
-        row = next(line for line in lines if line.split()[:1] == ["memory.lr"])
+        row = blocks["memory.lr"].splitlines()[0]
         assert "float" in row and "0.002" in row
-        row = next(line for line in lines if line.split()[:1] == ["out_dir"])
-        assert "runs/core-proxy" in row and "Run folder" in row  # the one-line doc from the Args section
-        row = next(line for line in lines if line.split()[:1] == ["indexer.records_per_micro"])
-        assert "teacher records" in row  # the doc from the field's comment
+        text = " ".join(blocks["out_dir"].split())
+        assert "runs/core-proxy" in text and "Run folder" in text and "refused unless ``overwrite``" in text
+        assert "teacher records" in blocks["indexer.records_per_micro"]  # the doc from the field's comment
+        for leaf in ("teacher.lam", "teacher.features", "teacher.utility_pool", "teacher.d_z", "teacher.qa_weight"):
+            assert len(" ".join(blocks[leaf].split()[4:])) > 40, blocks[leaf]  # a real sentence, not a stub
+        assert "docs/method.md" in blocks["teacher.lam_layers"]  # a comment block above the field, joined
+    if target == "eval.py":
+        text = " ".join(blocks["model.name"].split())
+        assert text.endswith("else the tiny random model, labelled as such).")  # the whole Args entry
+        assert "checkpoints/core-smollm2/final" in blocks["press_options"]  # defaults are shown whole
+
+
+def test_help_names_presses_benchmarks_configs_and_examples(capsys, monkeypatch):
+    """eval.py --help names every registered press and benchmark; each config entry point lists its shipped configs
+    (path and first sentence) and shows examples."""
+    import core_kv.presses  # noqa: F401
+    from core_kv.eval.benchmarks import BENCHMARKS
+    from core_kv.presses.base import PRESSES
+
+    for target, kind, folder in [("eval.py", "file", "eval"), ("train.py", "file", "train"),
+                                 ("core_kv.teacher", "module", "teacher")]:  # fmt: skip
+        out = _run_help(target, kind, capsys, monkeypatch)
+        head = out[: out.index("\noptions (")]
+        assert "Examples::" in head, target
+        for path in sorted((ROOT / "configs" / folder).glob("*.yaml")):
+            assert f"  configs/{folder}/{path.name}\n      " in head, (target, path.name)
+        if target == "eval.py":
+            listed = head[head.index("registered presses") :]
+            for name in list(PRESSES) + list(BENCHMARKS):
+                assert f" {name}," in listed or f" {name}\n" in listed, name
+            assert "press_options.core.checkpoint" in head

@@ -204,6 +204,31 @@ def test_stop_tokens_end_the_answer_only_after_it_began(llama):
     assert greedy_answer(llama, prefill(llama, ids), 120, q, 12, eos_token_ids=[], stop_token_ids=[first]) == full[:nxt]
 
 
+def test_first_token_is_never_eos_by_default(llama):
+    """The eos protocol (docs/evaluation.md): eos is excluded from the first token's argmax (transformers'
+    ``min_new_tokens=1``), so a model that would close its turn at once answers with its best other token; later
+    eos tokens end the answer. ``min_new_tokens=0`` is the earlier rule: a first-token eos is the empty answer."""
+    g = torch.Generator().manual_seed(7)
+    ids, q = torch.randint(0, 256, (1, 120), generator=g), torch.randint(0, 256, (1, 4), generator=g)
+    free = greedy_answer(llama, prefill(llama, ids), 120, q, 10, eos_token_ids=[])
+    eos = free[0]  # make the model's own first choice the eos token
+    assert greedy_answer(llama, prefill(llama, ids), 120, q, 10, eos_token_ids=[eos], min_new_tokens=0) == []
+    # the naive reference: the first step's logits with the eos column removed
+    cache = prefill(llama, ids)
+    with torch.inference_mode():
+        logits = llama(input_ids=q, position_ids=torch.arange(120, 124)[None], past_key_values=cache).logits[0, -1]
+    logits = logits.clone()
+    logits[eos] = float("-inf")
+    answer = greedy_answer(llama, prefill(llama, ids), 120, q, 10, eos_token_ids=[eos])
+    assert answer and answer[0] == int(logits.argmax()) and eos not in answer
+    if len(answer) < 10:  # it stopped early: only because the next token was the eos (teacher-forced check)
+        fed = torch.cat([q, torch.tensor([answer])], dim=1)
+        with torch.inference_mode():
+            out = llama(input_ids=fed, position_ids=torch.arange(120, 120 + fed.shape[1])[None],
+                        past_key_values=prefill(llama, ids)).logits[0, -1]  # fmt: skip
+        assert int(out.argmax()) == eos
+
+
 def test_newline_token_ids_are_exactly_the_tokens_with_a_newline():
     from transformers import AutoTokenizer
 

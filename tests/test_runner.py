@@ -102,7 +102,9 @@ def test_smoke_two_presses_two_ratios(clean_run):
     assert by_cell[("knorm", 0.5)][0]["kv_bytes"] < by_cell[("knorm", 0.25)][0]["kv_bytes"] < full_kv
     # reports
     assert (out / "report.md").read_text() == res.markdown
-    for needle in ("tiny random model (not the proxy)", "| full (reference) |", "| snapkv |", "KV payload", "aux"):
+    needles = ["tiny random model (not the proxy)", "| snapkv |", "KV payload", "aux"]
+    needles += ["| full (reference) ⚠ below the floor |", "**Warnings (⚠):**"]  # random weights answer nothing
+    for needle in needles:
         assert needle in res.markdown
     png = out / "plots" / "curves__toy.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -185,6 +187,25 @@ def test_folder_written_before_an_option_existed_is_still_finished(clean_run, da
         run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]"))
 
 
+def test_folder_decoded_before_the_eos_rule_is_refused_unless_asked_for(clean_run, data, tmp_path):
+    """A cell written before ``generation.min_new_tokens`` existed stopped on a first-token eos (the rule 0): under
+    the default 1 its answers may differ, so it is a different cell; ``min_new_tokens=0`` reuses it."""
+    import shutil
+
+    clean_out, _ = clean_run
+    out = tmp_path / "old"
+    shutil.copytree(clean_out, out)
+    cfg_path = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "config.yaml"
+    text = cfg_path.read_text()
+    assert "  min_new_tokens: 1\n" in text
+    cfg_path.write_text(text.replace("  min_new_tokens: 1\n", ""))
+    with pytest.raises(ValueError, match="different configuration"):
+        run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]"))
+    before = _folder_contents(out)
+    run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]", "generation.min_new_tokens=0", "reference=false"))
+    assert _folder_contents(out) == before  # finished under the rule it was computed with: nothing recomputed
+
+
 def test_clear_errors(data, tmp_path):
     with pytest.raises(ValueError, match="unknown method 'nope'.*registered presses"):
         _cfg(data, tmp_path, "methods=[nope]")
@@ -198,7 +219,7 @@ def test_clear_errors(data, tmp_path):
         run_eval(_cfg(empty, tmp_path, f"datasets.toy.source={empty}"))
     with pytest.raises(ContextWindowError, match="context window is 8192"):
         run_eval(_cfg(data, tmp_path, "datasets.toy.lengths=[100000]"))
-    with pytest.raises(ValueError, match="ratios must be in"):
+    with pytest.raises(ValueError, match=r"ratios\[0\] must be in \(0, 1\)"):
         _cfg(data, tmp_path, "ratios=[1.0]")
 
 
@@ -282,6 +303,63 @@ def test_method_labels_and_report_table(data, tmp_path):
     assert "| full (reference) | 90.00 | 90.00 |" in md
     assert "| core | 80.00 | 60.50 |" in md
     assert "| core | 0.50 | 80.00 | 80.00 | 80.00 | 1.0 KiB | 3.0 KiB | 100 |" in md
+
+
+def test_report_flags_a_full_cache_reference_below_the_floor():
+    """Compression cannot be ranked where the uncompressed model fails (issue 47: SmolLM2's NIAH full cache at 0 and
+    KeyDiff at 66.7): the benchmark's table and the report's head warn, and low tasks are marked in their column."""
+    from core_kv.eval.report import markdown_report, reference_warnings
+
+    def cell(bench, method, ratio, tasks, unit="score (0-100)", hib=True):
+        avg = sum(tasks.values()) / len(tasks)
+        return {"benchmark": bench, "method": method, "ratio": ratio, "average": avg, "tasks": tasks, "kv_bytes": 1.0,
+                "aux_bytes": 0, "context_tokens": 10.0, "num_samples": 2, "num_contexts": 1, "average_label": "mean",
+                "higher_is_better": hib, "unit": unit, "kind": "jsonl"}  # fmt: skip
+
+    cells = [
+        cell("niah", "full", 0.0, {"niah": 0.0}), cell("niah", "keydiff", 0.75, {"niah": 66.7}),
+        cell("ruler", "full", 0.0, {"a": 100.0, "b": 20.0}), cell("ruler", "snapkv", 0.75, {"a": 50.0, "b": 30.0}),
+        cell("fid", "full", 0.0, {"f": 0.0}, unit="KL", hib=False), cell("fid", "knorm", 0.5, {"f": 0.3}, "KL", False),
+    ]  # fmt: skip
+    warns = reference_warnings(cells, 40.0)
+    assert sorted(warns) == ["niah", "ruler"]  # the KL benchmark is never flagged
+    assert "scores 0.00 < 40" in warns["niah"][0] and len(warns["niah"]) == 1
+    assert warns["ruler"] == ["ruler: tasks whose full-cache score is below 40 cannot rank methods: b 20.00"]
+    md = markdown_report(cells, "m")
+    assert md.index("**Warnings") < md.index("## niah")
+    assert "| full (reference) ⚠ below the floor | 0.00 |" in md
+    assert "| full (reference) | 60.00 |" in md  # ruler's average passes; only its task b is marked
+    assert "| method | ratio | a | b ⚠ | average |" in md
+    assert reference_warnings(cells, 0.0) == {}
+
+
+def test_tied_points_are_drawn_side_by_side_and_others_stay_put():
+    """Markers at equal values hid each other (issue 47): ties get distinct offsets, centred, at most ``spread`` wide."""
+    from core_kv.eval.report import MARKERS, dodge
+
+    series = {"a": [(0.5, 20.0), (0.75, 10.0)], "b": [(0.5, 20.0), (0.75, 0.0)], "c": [(0.5, 20.0), (0.75, 5.0)]}
+    off = dodge(series, step=0.02, spread=0.1)
+    assert [off[(m, 0.5)] for m in "abc"] == pytest.approx([-0.02, 0.0, 0.02])
+    assert all(off[(m, 0.75)] == 0.0 for m in "abc")
+    many = {str(i): [(0.9, 0.0)] for i in range(26)}
+    wide = dodge(many, step=0.02, spread=0.1)
+    xs = sorted(wide.values())
+    assert len(set(xs)) == 26 and xs[-1] - xs[0] == pytest.approx(0.1) and sum(xs) == pytest.approx(0.0)
+    assert len(set(MARKERS)) == len(MARKERS) >= 10
+
+
+def test_eval_py_output_ends_with_its_warnings_then_the_report_and_plots(data, tmp_path, capsys, monkeypatch):
+    """The last lines of ``python eval.py`` say where the report and the plots went, after the floor warnings."""
+    import runpy
+
+    out = tmp_path / "cli"
+    monkeypatch.setattr(sys, "argv", ["eval.py", *_argv(data, out, "methods=[knorm]", "ratios=[0.5]")])
+    runpy.run_path(str(ROOT / "eval.py"), run_name="__main__")
+    tail = capsys.readouterr().out.rstrip().splitlines()[-3:]
+    assert tail[0].startswith("⚠ toy: the full cache (no compression) scores")  # the tiny model answers nothing
+    assert tail[1] == f"report: {out / 'report.md'} (tables; every cell's numbers in results.json)"
+    assert tail[2].startswith(f"plots:  {out / 'plots'}/ (1 PNG: curves__toy.png)")
+    assert (out / "report.md").is_file() and (out / "plots" / "curves__toy.png").is_file()
 
 
 def test_press_options_of_methods_not_in_the_run_are_dropped_with_a_warning():
@@ -437,3 +515,103 @@ def test_compress_questions_leaves_question_free_samples_alone():
     assert aware.fed(s).context == s.context + s.question and aware.fed(s).question == ""
     blank = Sample("toy", "lm", s.context, "", "", [], 8, "string_match_all", 256)
     assert aware.fed(blank) is blank
+
+
+def test_a_second_run_with_other_methods_reports_every_finished_cell(clean_run, data, tmp_path):
+    """A second eval.py with other methods into the same output_dir rewrote report.md / results.json with its own
+    rows only; both now cover every finished cell of the folder (the earlier run's are read, not recomputed)."""
+    import shutil
+
+    clean_out, res = clean_run
+    out = tmp_path / "shared"
+    shutil.copytree(clean_out, out)
+    again = run_eval(_cfg(data, out, "methods=[streaming_llm]", "ratios=[0.75]"))
+    got = [(c["method"], c["ratio"]) for c in again.cells]
+    assert got == [("full", 0.0), ("streaming_llm", 0.75), *sorted(CELLS[1:])]
+    stored = json.loads((out / "results.json").read_text())
+    assert [(c["method"], c["ratio"]) for c in stored["cells"]] == got
+    report = (out / "report.md").read_text()
+    for row in ("| full (reference) |", "| knorm |", "| snapkv |", "| streaming_llm |"):
+        assert row in report
+    assert report.count("| knorm | ") == 3  # the grid row and one detail row per ratio
+    assert "| streaming_llm | 0.75 |" in report and "| 0.25 | 0.50 | 0.75 |" in report
+
+
+def test_ratio_labels_round_trip_in_folders_and_report(data, tmp_path):
+    """0.125 was labelled 0.12 (folder and report); 0.75 and 0.7549 shared a folder."""
+    res = run_eval(_cfg(data, tmp_path, "methods=[knorm]", "ratios=[0.125,0.75,0.7549]", "plots=false"))
+    assert sorted(p.name.rsplit("__", 1)[1] for p in tmp_path.glob("toy__*")) == ["0.00", "0.125", "0.75", "0.7549"]
+    assert "| method | 0.125 | 0.75 | 0.7549 |" in res.markdown
+    assert "| knorm | 0.125 |" in res.markdown
+
+
+def test_damaged_results_files_are_named_and_the_cell_recomputed_or_refused(clean_run, data, tmp_path):
+    """``metrics.json = {}`` failed with ``KeyError: 'benchmark'``, a garbage ``config.yaml`` with
+    ``UnicodeDecodeError``; neither named the file."""
+    import shutil
+
+    clean_out, res = clean_run
+    out = tmp_path / "damaged"
+    shutil.copytree(clean_out, out)
+    metrics = cell_dir(out, "toy", "tiny", "snapkv", 0.25) / "metrics.json"
+    for content in ("{}", "[1, 2]", json.dumps({**json.loads(metrics.read_text()), "method": "knorm"})):
+        metrics.write_text(content)
+        with pytest.warns(UserWarning, match=rf"{metrics} is unreadable .* recomputed"):
+            again = run_eval(_cfg(data, out))
+        assert again.cells == res.cells
+    config = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "config.yaml"
+    before = {p: p.read_bytes() for p in config.parent.iterdir()}
+    for garbage in (bytes(range(256)), b"a: [unclosed\n"):
+        config.write_bytes(garbage)
+        with pytest.raises(ValueError, match=rf"{config}: unreadable .*delete {config.parent}"):
+            run_eval(_cfg(data, out))
+        assert (config.parent / "metrics.json").read_bytes() == before[config.parent / "metrics.json"]
+
+
+def test_a_second_evaluation_into_a_folder_being_written_is_refused(data, tmp_path):
+    import subprocess
+    import sys
+
+    from core_kv.lock import LOCK_NAME, FolderLocked
+
+    tmp_path.mkdir(exist_ok=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = {"pid": other.pid, "host": os.uname().nodename, "what": "evaluation", "command": "eval.py"}
+        (tmp_path / LOCK_NAME).write_text(json.dumps(owner))
+        with pytest.raises(FolderLocked, match=rf"being written by another evaluation \(pid {other.pid}"):
+            run_eval(_cfg(data, tmp_path))
+        assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
+    finally:
+        other.kill()
+        other.wait()
+    run_eval(_cfg(data, tmp_path, "methods=[knorm]", "ratios=[0.5]", "plots=false"))  # the owner is gone: stale
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_every_benchmark_is_loaded_before_any_cell_runs(data, tmp_path):
+    """A bad second benchmark (here a missing source) used to fail after the first benchmark's cells had run."""
+    with pytest.raises(FileNotFoundError, match="no JSONL samples at"):
+        run_eval(_cfg(data, tmp_path, "benchmarks=[toy,other]", "datasets.other.kind=jsonl",
+                      f"datasets.other.source={tmp_path / 'missing.jsonl'}"))  # fmt: skip
+    assert not list(tmp_path.glob("toy__*"))
+
+
+def test_a_finished_cells_damaged_predictions_are_recomputed(clean_run, data, tmp_path):
+    """The report's per-cell figures read predictions.jsonl back: a damaged one is found when the run starts (named,
+    the cell recomputed), not at the end of the run."""
+    import shutil
+
+    clean_out, res = clean_run
+    out = tmp_path / "preds"
+    shutil.copytree(clean_out, out)
+    predictions = cell_dir(out, "toy", "tiny", "knorm", 0.25) / "predictions.jsonl"
+    for damage in (bytes(range(200)), predictions.read_bytes()[:-10], b""):
+        predictions.write_bytes(damage)
+        with pytest.warns(UserWarning, match=rf"{predictions} is unreadable"):
+            again = run_eval(_cfg(data, out))
+        assert again.cells == res.cells
+    assert (
+        predictions.read_bytes()
+        == (cell_dir(clean_out, "toy", "tiny", "knorm", 0.25) / "predictions.jsonl").read_bytes()
+    )

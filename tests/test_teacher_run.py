@@ -221,3 +221,102 @@ def test_per_layer_lambda_moves_only_its_layers(one_proc, tmp_path):
     for bad in ("{'0-1': 2.0, '1': 3.0}", "{'3-1': 2.0}", "{'1': -1.0}", "{'a': 1.0}"):
         with pytest.raises(ValueError, match="lam_layers"):
             load_config(TeacherConfig, [*TINY, f"lam_layers={bad}"])
+
+
+def _copy(one_proc, tmp_path):
+    out, _ = one_proc
+    dst = tmp_path / "finished"
+    shutil.copytree(out, dst)
+    return dst, (dst / "manifest.json").read_bytes()
+
+
+def test_a_bad_option_on_a_finished_folder_loses_nothing(one_proc, tmp_path):
+    """``model.dtype=bogus`` deleted manifest.json, then failed with ``module 'torch' has no attribute 'bogus'``."""
+    from core_kv.config import ConfigError
+
+    out, manifest = _copy(one_proc, tmp_path)
+    for bad, message in [("model.dtype=bogus", r"model\.dtype must be one of"), ("lam=nan", r"lam must be a finite")]:
+        with pytest.raises(ConfigError, match=message):
+            main([*TINY, f"out_dir={out}", bad])
+        assert (out / "manifest.json").read_bytes() == manifest
+
+
+def test_a_finished_dataset_is_kept_for_its_config_and_refused_for_another(one_proc, tmp_path, capsys):
+    out, manifest = _copy(one_proc, tmp_path)
+    shard = next((out / "shards").iterdir())
+    stamp = shard.stat().st_mtime_ns
+    metrics = main([*TINY, f"out_dir={out}"])  # the same config: kept, not rebuilt
+    assert "is finished for this config and base model: kept" in capsys.readouterr().out
+    assert metrics == json.loads((out / "metrics.json").read_text())
+    assert shard.stat().st_mtime_ns == stamp and (out / "manifest.json").read_bytes() == manifest
+    with pytest.raises(ValueError, match=rf"{out} holds a finished teacher dataset of another config"):
+        main([*TINY, f"out_dir={out}", "lam=0.5"])
+    assert (out / "manifest.json").read_bytes() == manifest
+    main([*TINY, f"out_dir={out}", "lam=0.5", "overwrite=true"])  # asked: replaced
+    assert TeacherDataset(out).manifest["teacher"]["lam"] == 0.5
+
+
+def test_a_dataset_written_before_an_option_existed_is_still_this_config(one_proc, tmp_path, capsys):
+    """A folder whose config.yaml lacks an option that now exists at its default (and whose hash predates it) is
+    the same config: kept, not refused."""
+    out, manifest = _copy(one_proc, tmp_path)
+    m = json.loads(manifest)
+    m["config_hash"] = "0" * 16  # as hashed before the option existed
+    (out / "manifest.json").write_text(json.dumps(m))
+    text = (out / "config.yaml").read_text()
+    assert "utility_pool: mean\n" in text
+    (out / "config.yaml").write_text(text.replace("utility_pool: mean\n", ""))
+    shard = next((out / "shards").iterdir())
+    stamp = shard.stat().st_mtime_ns
+    main([*TINY, f"out_dir={out}"])
+    assert "is finished for this config and base model: kept" in capsys.readouterr().out
+    assert shard.stat().st_mtime_ns == stamp
+
+
+def test_a_second_teacher_run_into_a_folder_being_written_is_refused(one_proc, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from core_kv.lock import LOCK_NAME, FolderLocked
+
+    out, manifest = _copy(one_proc, tmp_path)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = {"pid": other.pid, "host": os.uname().nodename, "what": "teacher run", "command": "x"}
+        (out / LOCK_NAME).write_text(json.dumps(owner))
+        with pytest.raises(FolderLocked, match=rf"being written by another teacher run \(pid {other.pid}"):
+            main([*TINY, f"out_dir={out}", "lam=0.5", "overwrite=true"])
+        assert (out / "manifest.json").read_bytes() == manifest
+    finally:
+        other.kill()
+        other.wait()
+    main([*TINY, f"out_dir={out}"])  # its owner is gone: the stale lock is replaced
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_a_damaged_manifest_is_named(one_proc, tmp_path):
+    out, _ = _copy(one_proc, tmp_path)
+    (out / "manifest.json").write_bytes(b"\x80\x81 not json")
+    with pytest.raises(ValueError, match=rf"{out / 'manifest.json'}: unreadable teacher manifest"):
+        main([*TINY, f"out_dir={out}"])
+    with pytest.raises(ValueError, match=rf"{out / 'manifest.json'}: unreadable teacher manifest"):
+        TeacherDataset(out)
+    shutil.copy(one_proc[0] / "manifest.json", out / "manifest.json")
+    shard = next((out / "shards").iterdir())
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"{shard}: unreadable teacher shard"):
+        TeacherDataset(out).records()
+
+
+def test_a_given_geometry_of_another_model_is_refused_not_replaced(one_proc, tmp_path):
+    """``geometry_path`` naming another model's geometry was refitted and saved over it."""
+    out, _ = one_proc
+    given = tmp_path / "other_geometry.safetensors"
+    shutil.copy(out / "geometry.safetensors", given)
+    before = given.read_bytes()
+    with pytest.raises(
+        ValueError, match=rf"geometry_path {given} cannot be used for this model .*different base model"
+    ):
+        main([*TINY, f"out_dir={tmp_path / 'new'}", f"geometry_path={given}", "model.seed=1"])
+    assert given.read_bytes() == before

@@ -363,8 +363,8 @@ def test_cascade_on_policy_shares_the_warmup_and_changes_the_indexer(tmp_path, t
 
 
 def test_feature_spec_v2_trains_loads_and_compresses_to_the_budget(tmp_path, teacher_dir, reference):
-    """``teacher.features=2``: the teacher records spec v2, a v1 dataset in that folder is rebuilt rather than reused,
-    the artifact records v2 and its press computes v2 features (KeyDiff / twin columns) and keeps the exact budget; at
+    """``teacher.features=2``: the teacher records spec v2; a v1 dataset in that folder is never reused, nor replaced
+    unless ``teacher.overwrite=true`` (then rebuilt); the artifact records v2 and its press computes v2 features (KeyDiff / twin columns) and keeps the exact budget; at
     the default (1) the option is left out of every hash, so v1 runs stay recognised."""
     import json
 
@@ -383,7 +383,13 @@ def test_feature_spec_v2_trains_loads_and_compresses_to_the_budget(tmp_path, tea
     teacher = tmp_path / "teacher"
     __import__("shutil").copytree(teacher_dir, teacher)  # the reference's v1 dataset, in the v2 run's folder
     out = tmp_path / "v2"
-    run(tiny_args(out, teacher, "teacher.features=2"))
+    from core_kv.teacher.dataset import TeacherDatasetMismatch
+
+    before = (teacher / "manifest.json").read_bytes()
+    with pytest.raises(TeacherDatasetMismatch, match=r"holds a finished teacher dataset of another config .*v1"):
+        run(tiny_args(out, teacher, "teacher.features=2"))
+    assert (teacher / "manifest.json").read_bytes() == before
+    run(tiny_args(out, teacher, "teacher.features=2", "teacher.overwrite=true"))
     assert json.loads((teacher / "manifest.json").read_text())["feature_spec"]["version"] == 2
     base, _ = load_model(
         ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128), "cpu"
@@ -399,3 +405,111 @@ def test_feature_spec_v2_trains_loads_and_compresses_to_the_budget(tmp_path, tea
     with torch.inference_mode(), press(base):
         base(input_ids=ids, use_cache=True, **{cache_kwarg(base): cache})
     assert all(layer_lengths(layer).tolist() == [40, 40] for layer in cache.layers)  # 160 tokens at 75%: B = 40
+
+
+def test_another_configs_teacher_dataset_is_refused_not_rebuilt(tmp_path, teacher_dir, reference):
+    """``teacher.lam=3.0`` into a folder holding the λ = 2 dataset printed ``teacher lam=2.0, expected 3.0 ->
+    building it`` and overwrote it; it is refused like the artifact folder, naming both ways out."""
+    from core_kv.teacher.dataset import TeacherDatasetMismatch
+
+    before = {p: p.read_bytes() for p in teacher_dir.rglob("*") if p.is_file()}
+    with pytest.raises(TeacherDatasetMismatch, match=r"teacher lam=2\.0, expected 3\.0.*teacher\.out_dir=<another "
+                       r"folder>.*teacher\.overwrite=true"):  # fmt: skip
+        run(tiny_args(tmp_path / "lam3", teacher_dir, "teacher.lam=3.0"))
+    assert {p: p.read_bytes() for p in teacher_dir.rglob("*") if p.is_file()} == before
+
+
+def test_a_second_training_run_into_a_folder_being_written_is_refused(tmp_path, teacher_dir, reference):
+    """Two runs into one out_dir interleaved their states (``FileNotFoundError .../.tmp-step_000015``) or left one
+    config's weights under the other's report; the second is refused, naming the first."""
+    import json
+    import subprocess
+    import sys
+
+    from core_kv.lock import LOCK_NAME, FolderLocked
+
+    out = tmp_path / "busy"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = {"pid": other.pid, "host": os.uname().nodename, "what": "training run", "command": "train.py"}
+        (out / LOCK_NAME).write_text(json.dumps(owner))
+        with pytest.raises(FolderLocked, match=rf"being written by another training run \(pid {other.pid} on "):
+            run(tiny_args(out, teacher_dir))
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing written
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_full_disk_while_saving_a_state_is_named_and_the_rerun_resumes(tmp_path, teacher_dir, reference, monkeypatch):
+    """``RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos`` became a message naming the full
+    disk and the state's path; the half-written state is removed and the relaunch reaches the reference weights."""
+    from accelerate import Accelerator
+
+    from core_kv import files as io
+
+    out = tmp_path / "full"
+    original, calls = Accelerator.save_state, {"n": 0}
+
+    def fill_the_disk(self, output_dir=None, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # warm-up steps 1-2, indexer step 1, then the disk is full
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(output_dir) / "model.safetensors").write_bytes(b"\0" * 100)
+            monkeypatch.setattr(io, "_free_bytes", lambda path: 4096)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2112 vs 2010")
+        return original(self, output_dir, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", fill_the_disk)
+    with pytest.raises(OSError, match=r"the disk is full: cannot write the training state .*indexer/\.tmp-step_000002"):
+        run(tiny_args(out, teacher_dir))
+    assert not (out / "state" / "indexer" / ".tmp-step_000002").exists()  # its space is given back
+    monkeypatch.undo()
+    run(tiny_args(out, teacher_dir))
+    assert_same(weights(out), weights(reference))
+
+
+def test_a_run_ends_with_its_artifact_the_symbols_and_the_next_commands(teacher_dir, reference, capsys):
+    """The console explains each symbol once and ends with the artifact, the report and two commands (issue 47)."""
+    from core_kv.distill.report import SYMBOLS
+
+    capsys.readouterr()
+    run(tiny_args(reference, teacher_dir))  # finished: prints and returns
+    out = capsys.readouterr().out
+    for symbol, _ in SYMBOLS:
+        assert f"    {symbol}: " in out
+    assert out.index("what the numbers mean") < out.index("Table 7")  # explained before first use
+    tail = out.rstrip().splitlines()[-6:]
+    assert tail[0] == f"artifact: {reference / 'final'}   report: {reference / 'report.md'}" and tail[1] == "next:"
+    assert "load it" in tail[2] and f"checkpoint='{reference / 'final'}'" in tail[3]
+    assert "evaluate it" in tail[4] and tail[5].strip().startswith("make eval ARGS=")
+    assert f"press_options.core.checkpoint={reference / 'final'}" in tail[5]
+    assert "Symbols" in (reference / "report.md").read_text()
+
+
+def test_next_commands_load_and_parse_for_a_real_artifact():
+    """The two printed commands work for the shipped proxy artifact: the load command answers with CORE, and the
+    evaluation's arguments are a valid eval.py config."""
+    import shlex
+    import subprocess
+    import sys
+
+    from core_kv.config import load_config
+    from core_kv.distill.report import next_steps
+    from core_kv.eval.runner import EvalConfig
+
+    text = next_steps("checkpoints/proxy-lm", "checkpoints/core-proxy/final", "runs/core-proxy")
+    lines = text.splitlines()
+    load, evaluate = lines[3].strip(), lines[5].strip()
+    argv = shlex.split(load)
+    assert argv[:2] == [".venv/bin/python", "-c"]
+    res = subprocess.run([sys.executable, "-c", argv[2]], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("['") and "KV bytes kept:" in res.stdout and "CORE memory bytes:" in res.stdout
+    make = shlex.split(evaluate)
+    assert make[:2] == ["make", "eval"] and make[2].startswith("ARGS=")
+    cfg = load_config(EvalConfig, shlex.split(make[2].removeprefix("ARGS=")))
+    assert cfg.methods[0] == "core" and cfg.press_options["core"]["checkpoint"] == "checkpoints/core-proxy/final"
+    assert cfg.model.name == "checkpoints/proxy-lm" and cfg.benchmarks == ["ruler"]

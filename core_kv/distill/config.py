@@ -8,7 +8,9 @@ CPU cores including the teacher data. Batch arithmetic: documents per optimizer 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from core_kv.config import ConfigError, check_on_init, folder, non_empty, option
 from core_kv.memory import WRITE_RULES
 from core_kv.policy import PolicyStageConfig
 from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
@@ -31,73 +33,78 @@ def _proxy_teacher() -> TeacherConfig:
     )
 
 
-def check_options(obj, prefix: str, positive: tuple = (), non_negative: tuple = ()) -> None:
-    """Raise ``ValueError`` naming ``<prefix><field>`` for a field that is not > 0 (``positive``; ``None`` passes)
-    or not >= 0 (``non_negative``)."""
-    for names, ok, what in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0")):
-        for name in names:
-            v = getattr(obj, name)
-            if v is not None and (isinstance(v, bool) or not ok(v)):
-                raise ValueError(f"{prefix}{name} must be {what}, got {v!r}")
-
-
 @dataclass
 class IndexerStage:
     """Stage 2: distillation. ``warmup_steps`` on the teacher dataset's records (teacher-forced candidates: the
     full cache at each event), then ``steps`` on-policy steps replaying documents with the student's own retained
-    sets (CORE.md stage 2)."""
+    sets (CORE.md stage 2).
 
-    warmup_steps: int = 300
-    records_per_micro: int = 16  # teacher records (event × layer) per micro-batch in the warm-up
-    steps: int = 80
-    lr: float = 1.0e-3
-    weight_decay: float = 0.01
-    warmup_lr_steps: int = 8
-    grad_clip: float = 1.0
-    rank_weight: float = 0.1  # μ_rank of the Top-B boundary BCE (0 disables it)
+    Args:
+        warmup_steps: optimizer steps on teacher records (cheap: no base-model forward).
+        steps: on-policy optimizer steps, each replaying ``micro_batch × grad_accum`` documents through the frozen
+            base model with the student's own evictions and the teacher solved on them (the expensive part).
+        lr / weight_decay: AdamW learning rate and weight decay of the indexer.
+        warmup_lr_steps: linear learning-rate warm-up steps.
+        grad_clip: gradient-norm clip.
+    """
+
+    warmup_steps: int = option(300, ge=0)
+    records_per_micro: int = option(16, ge=1)  # teacher records (event × layer) per micro-batch in the warm-up
+    steps: int = option(80, ge=0)
+    lr: float = option(1.0e-3, gt=0)
+    weight_decay: float = option(0.01, ge=0)
+    warmup_lr_steps: int = option(8, ge=0)
+    grad_clip: float = option(1.0, ge=0)
+    rank_weight: float = option(0.1, ge=0)  # μ_rank of the Top-B boundary BCE (0 disables it)
     # On-policy replay on the compressed cascade's activations (layer l+1's inputs from a forward in which the
     # student's retained sets replace every cache; the teacher's future queries are the cascade's) instead of the
     # full-cache forward's. A deviation from CORE.md stage 2 (docs/method.md, "Cascade-aware on-policy replay").
     cascade: bool = False
 
-    def check(self, prefix: str = "indexer.") -> None:
-        check_options(self, prefix, ("records_per_micro", "lr"),
-                      ("warmup_steps", "steps", "weight_decay", "warmup_lr_steps", "grad_clip", "rank_weight"))  # fmt: skip
-
 
 @dataclass
 class CalibrationStage:
     """Stage 3: one temperature per layer on held-out documents (golden-section on log T); how many documents is
-    :attr:`TrainConfig.calib_docs`."""
+    :attr:`TrainConfig.calib_docs`.
+
+    Args:
+        log_t_min / log_t_max: the search interval of log T (T = the softmax temperature that makes the estimated
+            evicted mass ε̂ match the true evicted attention mass α).
+        grid: points of the log T grid scanned before the golden-section refinement.
+    """
 
     log_t_min: float = -4.0
     log_t_max: float = 4.0
-    grid: int = 161
+    grid: int = option(161, ge=2)  # points of the log T grid
 
     def check(self, prefix: str = "calibration.") -> None:
-        if self.grid < 2:
-            raise ValueError(f"{prefix}grid must be >= 2 (points of the log T grid), got {self.grid}")
         if not self.log_t_min < self.log_t_max:
-            raise ValueError(f"{prefix}log_t_min must be < {prefix}log_t_max, got {self.log_t_min} >= {self.log_t_max}")
+            raise ConfigError(
+                f"{prefix}log_t_min must be < {prefix}log_t_max, got {self.log_t_min} >= {self.log_t_max}"
+            )
 
 
 @dataclass
 class MemoryStage:
-    """Stage 4: ``W_φ`` and the gate, base model / indexer / temperatures frozen."""
+    """Stage 4: ``W_φ`` and the gate, base model / indexer / temperatures frozen.
 
-    steps: int = 64
-    lr: float = 2.0e-3
-    weight_decay: float = 0.0
-    warmup_lr_steps: int = 8
-    grad_clip: float = 1.0
-    gate_weight: float = 0.1  # μ_g of BCE(g, α_E)
+    Args:
+        steps: optimizer steps, each replaying ``micro_batch × grad_accum`` documents with real evictions and memory
+            writes.
+        lr / weight_decay: AdamW learning rate and weight decay of ``W_φ``.
+        warmup_lr_steps: linear learning-rate warm-up steps.
+        grad_clip: gradient-norm clip.
+    """
+
+    steps: int = option(64, ge=0)
+    lr: float = option(2.0e-3, gt=0)
+    weight_decay: float = option(0.0, ge=0)
+    warmup_lr_steps: int = option(8, ge=0)
+    grad_clip: float = option(1.0, ge=0)
+    gate_weight: float = option(0.1, ge=0)  # μ_g of BCE(g, α_E)
     # The gate's scalars (gate_w, gate_b) need moves of several units, which Adam at ``lr`` cannot make in a few
     # dozen steps (at most ~lr per step); their own learning rate [choice]. None: ``lr``.
-    gate_lr: float | None = 5.0e-2
-
-    def check(self, prefix: str = "memory.") -> None:
-        check_options(self, prefix, ("lr", "gate_lr"),
-                      ("steps", "weight_decay", "warmup_lr_steps", "grad_clip", "gate_weight"))  # fmt: skip
+    gate_lr: float | None = option(5.0e-2, gt=0)
 
 
 @dataclass
@@ -110,6 +117,8 @@ class TrainConfig:
             is a deliberate ``out_dir=checkpoints/<name>``. A folder holding a finished artifact of another config is
             refused unless ``overwrite``.
         teacher: The teacher run to reuse (or build, when ``build_teacher``) — its model is the base model.
+        build_teacher: Build the teacher dataset when ``teacher.out_dir`` holds none for this model and these teacher
+            options (false: refuse instead).
         train_docs: Pool of on-policy documents (indices 0.., cycled).
         calib_docs / eval_docs: Held-out documents (disjoint index ranges) for calibration and the final report.
         ratios: Compression ratios cycled over training documents (position j gets ``ratios[j % len]``).
@@ -123,58 +132,50 @@ class TrainConfig:
             interruption would (a resumable checkpoint is saved first).
         overwrite: Retrain from scratch: delete the folder's stages, states and ``final/`` first (the only way a run
             replaces a finished artifact).
+        seed: the run's random seed (indexer and memory initialisation, sampling).
+        keep_last: resumable checkpoints kept (older ones are deleted).
         wandb: Log through ``accelerator.init_trackers``/``log`` (``wandb_mode`` offline works without login).
+        wandb_project: W&B project name.
+        wandb_mode: ``offline`` (no login; ``wandb sync`` later), ``online`` or ``disabled``.
+        progress: show progress bars.
+        threads: torch intra-op threads per process (0 = leave torch's setting; 1 is fastest on a shared CPU).
         policy: The last stage: the inference policy chosen on the pipeline's own validation prompts and recorded in
             the artifact (:class:`~core_kv.policy.PolicyStageConfig`; ``policy.enabled=false`` skips it).
     """
 
-    out_dir: str = "runs/core-proxy"
+    out_dir: str = option("runs/core-proxy", check=folder)
     teacher: TeacherConfig = field(default_factory=_proxy_teacher)
     build_teacher: bool = True
-    train_docs: int = 32
-    calib_docs: int = 6
-    eval_docs: int = 6
-    ratios: list[float] = field(default_factory=lambda: [0.75, 0.9, 0.5])
-    eval_ratios: list[float] = field(default_factory=lambda: [0.75, 0.9])
+    train_docs: int = option(32, ge=1)
+    calib_docs: int = option(6, ge=1)
+    eval_docs: int = option(6, ge=1)
+    ratios: list[float] = option(factory=lambda: [0.75, 0.9, 0.5], gt=0, lt=1, check=non_empty)
+    eval_ratios: list[float] = option(factory=lambda: [0.75, 0.9], gt=0, lt=1, check=non_empty)
     eval_greedy: bool = False
-    write_rule: str = "mass"
+    write_rule: str = option("mass", choices=WRITE_RULES)
     indexer: IndexerStage = field(default_factory=IndexerStage)
     calibration: CalibrationStage = field(default_factory=CalibrationStage)
     memory: MemoryStage = field(default_factory=MemoryStage)
-    micro_batch: int = 1
-    grad_accum: int = 1
-    seed: int = 0
-    save_every: int = 16
-    keep_last: int = 2
-    stop_after: int = 0
+    micro_batch: int = option(1, ge=1)
+    grad_accum: int = option(1, ge=1)
+    seed: int = option(0, ge=0)
+    save_every: int = option(16, ge=1)
+    keep_last: int = option(2, ge=1)
+    stop_after: int = option(0, ge=0)
     overwrite: bool = False
     wandb: bool = False
-    wandb_project: str = "core_kv"
-    wandb_mode: str = "offline"
+    wandb_project: str = option("core_kv", check=non_empty)
+    wandb_mode: str = option("offline", choices=("offline", "online", "disabled"))
     progress: bool = True
-    threads: int = 0
+    threads: int = option(0, ge=0)  # >0: torch.set_num_threads (0 = leave it)
     policy: PolicyStageConfig = field(default_factory=PolicyStageConfig)
 
     def __post_init__(self) -> None:
-        if self.write_rule not in WRITE_RULES:
-            raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {self.write_rule!r}")
-        for name in ("micro_batch", "grad_accum", "save_every", "keep_last"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("train_docs", "calib_docs", "eval_docs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("ratios", "eval_ratios"):
-            rs = getattr(self, name)
-            if not rs or any(not 0 < r < 1 for r in rs):
-                raise ValueError(f"{name} must be a non-empty list of compression ratios in (0, 1), got {rs}")
-        # every stage's options are checked here, before the first stage runs (a bad memory.lr must not wait for
-        # the warm-up, indexer and calibration stages)
-        self.indexer.check()
-        self.calibration.check()
-        self.memory.check()
-        self.policy.check()
-        if self.wandb_mode not in ("offline", "online", "disabled"):
-            raise ValueError("wandb_mode must be offline, online or disabled")
-        if self.stop_after < 0:
-            raise ValueError("stop_after must be >= 0")
+        check_on_init(self)  # every stage's options, before the first stage runs
+
+    def check(self, prefix: str = "") -> None:
+        if Path(self.out_dir).resolve() == Path(self.teacher.out_dir).resolve():
+            raise ConfigError(
+                f"{prefix}teacher.out_dir must differ from {prefix}out_dir (both are {self.out_dir!r}): the teacher "
+                "dataset and the CORE run write files of the same names"
+            )

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from core_kv.distill.context import RunContext
-from core_kv.files import atomic_write
+from core_kv.files import atomic_write, writing
 
 
 class Interrupted(RuntimeError):
@@ -155,7 +155,13 @@ def _save_state(tr: RunContext, root: Path, step: int) -> None:
     if tr.main and tmp.exists():
         shutil.rmtree(tmp)
     acc.wait_for_everyone()
-    acc.save_state(str(tmp))
+    try:
+        with writing(tmp, "training state"):
+            acc.save_state(str(tmp))
+    except BaseException:
+        if tr.main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial state frees its space; the older ones stay
+        raise
     acc.wait_for_everyone()
     if tr.main:
         if final.exists():
@@ -169,7 +175,8 @@ def _save_state(tr: RunContext, root: Path, step: int) -> None:
 def _save_stage(tr: RunContext, name: str, target: dict) -> None:
     if tr.main:
         tensors = {k: v.detach().cpu().contiguous() for k, v in target.items()}
-        atomic_write(tr.stage_file(name), lambda tmp: save_file(tensors, tmp))
+        with writing(tr.stage_file(name), "finished stage"):
+            atomic_write(tr.stage_file(name), lambda tmp: save_file(tensors, tmp))
     tr.acc.wait_for_everyone()
 
 

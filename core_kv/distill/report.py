@@ -1,10 +1,73 @@
-"""The distillation run's reports: the console summary and ``<out_dir>/report.md`` (the tables of ``docs/results.md``)."""
+"""The distillation run's reports: the console summary and ``<out_dir>/report.md`` (the tables of ``docs/notebook.md``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+SYMBOLS = [
+    ("held-out", "documents no teacher run and no training step saw (indices 2,000,000+)"),
+    ("p*, s", "p* = the teacher's allocation over the cached tokens; s = the student's (indexer's) scores"),
+    (
+        "KL(p* ‖ softmax s)",
+        "how far the student's distribution is from p* (lower is better), on the student's own "
+        "retained sets and on the full cache (the teacher's protocol)",
+    ),
+    ("Top-B overlap", "share of the teacher's Top-B picks (protected tokens excluded) that the student also keeps"),
+    (
+        "α, ε̂",
+        "α = the attention mass the evicted tokens truly had; ε̂ = the student's estimate of it; |α − ε̂| is "
+        "the calibration error at T = 1 and with the fitted per-layer temperatures T_l (lower is better)",
+    ),
+    (
+        "rel. err.",
+        "‖o − o*‖² / ‖o*‖², the attention output's error with the retained tokens only and with the "
+        "latent memory's readout added (the memory should lower it); |g − α| = the memory gate g against α",
+    ),
+    (
+        "U_B, C_B, J_B",
+        "Table 7 quality of a retained set of B tokens: U_B = utility kept (the future queries' "
+        "attention mass on it), C_B = coverage (log-det of its keys' features), J_B = U_B + C_B, the teacher's "
+        "objective; selectors: utility = Top-B of the utility alone, student, teacher = Top-B of p*, greedy = J_B's "
+        "greedy maximiser; J_B / teacher near 100% means the student keeps what the teacher would",
+    ),
+]
+"""The symbols the reports print, explained once (also in docs/train-your-model.md, "Read the report")."""
+
+
+def symbols_legend(markdown: bool = False) -> str:
+    """:data:`SYMBOLS` as console lines, or as a markdown list for ``report.md``."""
+    if markdown:
+        return "\n".join(["Symbols (docs/train-your-model.md, \"Read the report\"):", "",
+                          *(f"- **{k}**: {v}" for k, v in SYMBOLS)]) + "\n"  # fmt: skip
+    return "\n".join(["  what the numbers mean (docs/train-your-model.md, \"Read the report\"):",
+                      *(f"    {k}: {v}" for k, v in SYMBOLS)])  # fmt: skip
+
+
+def next_steps(model: str, artifact: str, out_dir: str) -> str:
+    """Where the artifact and the report went and the two commands that load and evaluate it."""
+    name = Path(out_dir).name
+    load = (
+        '.venv/bin/python -c "from core_kv.models.loading import load_model; from core_kv.presses import build_press; '
+        f"from core_kv.pipeline import answer_questions; model, tok = load_model('{model}'); "
+        f"press = build_press('core', checkpoint='{artifact}', compression_ratio=0.75); "
+        "ctx = 'The grass is green. ' * 150 + 'The secret code is 4242. ' + 'The sky is blue. ' * 150; "
+        "out = answer_questions(model, tok, ctx, ['What is the secret code?'], press=press, max_new_tokens=16); "
+        "print(out['answers'], 'KV bytes kept:', out['kv_bytes']['total'], 'CORE memory bytes:', out['aux_bytes'])\""
+    )
+    evaluate = (
+        f'make eval ARGS="model.name={model} methods=[core,keydiff,snapkv,streaming_llm] '
+        f'press_options.core.checkpoint={artifact} benchmarks=[ruler] output_dir=results/{name}"'
+    )
+    return "\n".join([
+        f"artifact: {artifact}   report: {Path(out_dir) / 'report.md'}",
+        "next:",
+        f"  load it (compress a context with CORE and answer):\n    {load}",
+        f"  evaluate it against the presses (RULER 1k, 75% removal; docs/evaluation.md):\n    {evaluate}",
+    ])  # fmt: skip
+
 
 def format_summary(summary: dict) -> str:
-    lines = ["CORE stage 2 — distillation, calibration, memory (held-out documents)"]
+    lines = ["CORE stage 2 — distillation, calibration, memory (held-out documents)", symbols_legend()]
     for tag, r in summary["eval"].items():
         lines.append(
             f"  {tag}: KL {r['kl_student_candidates']:.4f} (student cands) / {r['kl_full_candidates']:.4f} (full); "
@@ -28,8 +91,8 @@ def format_summary(summary: dict) -> str:
 
 
 def distill_report_markdown(summary: dict) -> str:
-    """The summary as the markdown tables of ``docs/results.md`` (also written to ``<out_dir>/report.md``)."""
-    ev, lines = summary["eval"], []
+    """The summary as the markdown tables of ``docs/notebook.md`` (also written to ``<out_dir>/report.md``)."""
+    ev, lines = summary["eval"], [symbols_legend(markdown=True)]
     lines += ["| ratio | candidates | KL(p* ‖ softmax s) | Top-B overlap (free picks) |", "|---|---|---|---|"]
     for tag, r in ev.items():
         for pol, name in (("student", "student's own retained sets"), ("full", "full cache (teacher protocol)")):

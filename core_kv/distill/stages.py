@@ -51,7 +51,7 @@ def calibrate(tr: RunContext) -> dict:
             idx.temperature.copy_(torch.tensor(res["temperature"]))
             tr.print(f"[calibration] finished earlier: T = {res['temperature']}")
             return res
-        except (json.JSONDecodeError, KeyError, TypeError, RuntimeError) as e:
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:  # JSON/UTF-8 errors are ValueErrors
             warnings.warn(f"[calibration] cannot read {path} ({type(e).__name__}: {e}): refitting", stacklevel=2)
     ctx = tr.context("calibration")
     mine = [i for i in range(cfg.calib_docs) if i % acc.num_processes == acc.process_index]

@@ -53,7 +53,8 @@ from core_kv.distill.replay import ReplaySpec
 from core_kv.distill.report import distill_report_markdown, format_summary
 from core_kv.distill.stages import calibrate, train_indexer, train_memory
 from core_kv.distill.timing import timing
-from core_kv.files import atomic_write_json, atomic_write_text
+from core_kv.files import atomic_write_json, atomic_write_text, read_json, writing
+from core_kv.lock import main_process_lock
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
 from core_kv.teacher.docs import load_model
 from core_kv.teacher.run import run_teacher
@@ -178,6 +179,12 @@ class Trainer(RunContext):
         except (FileNotFoundError, TeacherDatasetMismatch) as e:
             if not cfg.build_teacher:
                 raise
+            if isinstance(e, TeacherDatasetMismatch) and not cfg.teacher.overwrite:
+                raise TeacherDatasetMismatch(
+                    f"{cfg.teacher.out_dir} holds a finished teacher dataset of another config ({e}), which a run "
+                    "never replaces unasked: pass teacher.out_dir=<another folder> to build this one beside it, or "
+                    "teacher.overwrite=true to replace it"
+                ) from None
             self.print(f"teacher data: {e} -> building it (python -m core_kv.teacher equivalent)")
             run_teacher(replace(cfg.teacher, progress=cfg.progress and cfg.teacher.progress))
             acc.wait_for_everyone()
@@ -216,7 +223,12 @@ class Trainer(RunContext):
             tmp = self.out / ".tmp-final"
             if tmp.exists():
                 shutil.rmtree(tmp)
-            self.core.to("cpu").save_pretrained(str(tmp), save_function=acc.save)
+            try:
+                with writing(tmp, "CORE artifact"):
+                    self.core.to("cpu").save_pretrained(str(tmp), save_function=acc.save)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             self.core.to(acc.device)
             if final.exists():
                 shutil.rmtree(final)
@@ -245,64 +257,71 @@ def train(cfg) -> dict:
     """
     t0 = time.perf_counter()
     tr = Trainer(cfg)
-    final = tr.out / "final"
     try:
-        tr.print(f"run folder: {tr.out} (the artifact goes to {final})")
-        tr.load_base()
-        key, key_path = tr.run_key(), tr.out / "run.json"
-        stored = _read_run_key(key_path)
-        same_run = stored is not None and all(stored.get(k) == key[k] for k in ("fingerprint", "config_hash"))
-        if same_run and (final / "config.json").is_file() and (tr.out / "summary.json").is_file():
-            if not cfg.overwrite:
-                summary = json.loads((tr.out / "summary.json").read_text())
-                tr.print(f"{final} exists for this base model and config (overwrite=true to retrain)")
-                tr.print(format_summary(summary))
-                return summary
-        if final.exists() and not same_run and not cfg.overwrite:
-            raise ValueError(
-                f"{tr.out} holds a finished CORE artifact ({final}) of another base model or config, which a new run "
-                f"never deletes: pass out_dir=<another folder> to train this config beside it, or overwrite=true to "
-                f"replace it"
-            )
-        if tr.main and cfg.overwrite:
-            tr.print(f"overwrite=true: deleting the run in {tr.out} and retraining")
-            for sub in ("state", "stages", "final", "summary.json"):
-                p = tr.out / sub
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        elif tr.main and not same_run:
-            old = (stored or {}).get("stages") or {}
-            for name in STAGES:
-                if old.get(name) != key["stages"][name] and (
-                    (tr.out / "state" / name).exists() or list((tr.out / "stages").glob(f"{name}.*"))
-                ):
-                    tr.print(f"[{name}] {tr.out} holds this stage for other options: discarding it")
-                    tr.discard_stage(name)
-        if tr.main:
-            atomic_write_json(key_path, key)
-        tr.acc.wait_for_everyone()
-        tr.setup()
-        train_indexer(tr)
-        calib = calibrate(tr)
-        train_memory(tr)
-        ev = evaluate(tr)
-        summary = {
-            "eval": ev,
-            "calibration": calib,
-            "timing": timing(tr.timers),
-            "teacher_table7": _teacher_table7(tr.ds),
-            "parameters": tr.core.num_parameters_by_part(),
-            "memory_state_bytes": tr.core.memory.state_bytes(),
-            "num_processes": tr.acc.num_processes,
-            "distributed_type": str(tr.acc.distributed_type),
-            "docs_per_step": cfg.micro_batch * cfg.grad_accum * tr.acc.num_processes,
-            "artifact": str(final),
-            "wall_s": time.perf_counter() - t0,
-        }
-        tr.save_final(summary)
-        tr.print(format_summary(summary))
-        return summary
+        with main_process_lock(cfg.out_dir, "training run", tr.acc):  # one writer per run folder
+            return _train(tr, t0)
     finally:
         tr.close()
+
+
+def _train(tr: Trainer, t0: float) -> dict:
+    """:func:`train`'s body, with the run folder locked."""
+    cfg = tr.cfg
+    final = tr.out / "final"
+    tr.print(f"run folder: {tr.out} (the artifact goes to {final})")
+    tr.load_base()
+    key, key_path = tr.run_key(), tr.out / "run.json"
+    stored = _read_run_key(key_path)
+    same_run = stored is not None and all(stored.get(k) == key[k] for k in ("fingerprint", "config_hash"))
+    if same_run and (final / "config.json").is_file() and (tr.out / "summary.json").is_file():
+        if not cfg.overwrite:
+            summary = read_json(tr.out / "summary.json", "run summary")
+            tr.print(f"{final} exists for this base model and config (overwrite=true to retrain)")
+            tr.print(format_summary(summary))
+            return summary
+    if final.exists() and not same_run and not cfg.overwrite:
+        raise ValueError(
+            f"{tr.out} holds a finished CORE artifact ({final}) of another base model or config, which a new run "
+            f"never deletes: pass out_dir=<another folder> to train this config beside it, or overwrite=true to "
+            f"replace it"
+        )
+    if tr.main and cfg.overwrite:
+        tr.print(f"overwrite=true: deleting the run in {tr.out} and retraining")
+        for sub in ("state", "stages", "final", "summary.json"):
+            p = tr.out / sub
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    elif tr.main and not same_run:
+        old = (stored or {}).get("stages") or {}
+        for name in STAGES:
+            if old.get(name) != key["stages"][name] and (
+                (tr.out / "state" / name).exists() or list((tr.out / "stages").glob(f"{name}.*"))
+            ):
+                tr.print(f"[{name}] {tr.out} holds this stage for other options: discarding it")
+                tr.discard_stage(name)
+    if tr.main:
+        atomic_write_json(key_path, key)
+    tr.acc.wait_for_everyone()
+    tr.setup()
+    train_indexer(tr)
+    calib = calibrate(tr)
+    train_memory(tr)
+    ev = evaluate(tr)
+    summary = {
+        "eval": ev,
+        "calibration": calib,
+        "timing": timing(tr.timers),
+        "teacher_table7": _teacher_table7(tr.ds),
+        "parameters": tr.core.num_parameters_by_part(),
+        "memory_state_bytes": tr.core.memory.state_bytes(),
+        "num_processes": tr.acc.num_processes,
+        "distributed_type": str(tr.acc.distributed_type),
+        "docs_per_step": cfg.micro_batch * cfg.grad_accum * tr.acc.num_processes,
+        "artifact": str(final),
+        "wall_s": time.perf_counter() - t0,
+    }
+    tr.save_final(summary)
+    tr.print(format_summary(summary))
+    return summary
 
 
 def _read_run_key(path: Path) -> dict | None:
@@ -310,8 +329,8 @@ def _read_run_key(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         warnings.warn(f"cannot read {path} ({e}): treating the run folder as holding another config", stacklevel=2)
         return None
 
@@ -319,5 +338,6 @@ def _read_run_key(path: Path) -> dict | None:
 def _teacher_table7(ds: TeacherDataset) -> dict | None:
     path = ds.path / ds.manifest.get("metrics", "metrics.json")
     if path.is_file():
-        return json.loads(path.read_text()).get("table7")
+        metrics = read_json(path, "teacher metrics")
+        return metrics.get("table7") if isinstance(metrics, dict) else None
     return None

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from core_kv.config import ConfigError, check_on_init, check_value, option
 from core_kv.eval.schema import Sample
 from core_kv.presses.base import BasePress
 
@@ -48,20 +49,15 @@ class BenchmarkConfig:
 
     kind: str | None = None
     tasks: list[str] | None = None
-    lengths: list[int] = field(default_factory=list)
-    num_samples: int | None = None
+    lengths: list[int] = option(factory=list, ge=1)
+    num_samples: int | None = option(None, ge=1)
     source: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def check(self, prefix: str = "") -> None:
-        """Raise ``ValueError`` naming ``<prefix>num_samples`` / ``<prefix>lengths`` for a count below 1."""
-        n = self.num_samples
-        if n is not None and (isinstance(n, bool) or n < 1):
-            raise ValueError(f"{prefix}num_samples must be >= 1, or null for all samples, got {n}")
-        if any(isinstance(v, bool) or v < 1 for v in self.lengths):
-            raise ValueError(f"{prefix}lengths must be positive token counts, got {list(self.lengths)}")
+        """Cross-field rules (the field checks are :func:`core_kv.config.check_config`'s): no duplicate task."""
         if self.tasks is not None and len(set(self.tasks)) != len(self.tasks):
-            raise ValueError(f"{prefix}tasks has duplicates: {list(self.tasks)}")
+            raise ConfigError(f"{prefix}tasks has duplicates: {list(self.tasks)}")
 
 
 @dataclass
@@ -82,20 +78,22 @@ class GenerationConfig:
             appended to its context and compressed with it, and only the question suffix and answer prefix are fed
             after the compression. Every sample becomes its own context (one prefill per question). Off by default:
             the question-agnostic protocol, the question fed on top of the compressed context.
+        min_new_tokens: tokens generated before an eos token may end an answer; eos is excluded from their argmax
+            (transformers' ``min_new_tokens``). 1, the harness's eos protocol (``docs/evaluation.md``): an answer is
+            never empty because the model closed its turn at once. 0 stops on a first-token eos (the rule before
+            this option existed; results folders without it in their ``config.yaml`` were computed so).
     """
 
-    max_new_tokens: int | None = None
-    chunk_size: int | None = None
+    max_new_tokens: int | None = option(None, ge=1)
+    chunk_size: int | None = option(None, ge=1)
     use_chat_template: bool | None = None
-    max_context_length: int | None = None
+    max_context_length: int | None = option(None, ge=1)
     stop_at_newline: bool = False
     compress_questions: bool = False
+    min_new_tokens: int = option(1, ge=0)
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "chunk_size", "max_context_length"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"generation.{name} must be positive or null, got {v}")
+        check_on_init(self)
 
     def fed(self, sample: Sample) -> Sample:
         """The sample as this protocol feeds it: with ``compress_questions`` the question moves into the context."""
@@ -175,6 +173,7 @@ class Benchmark:
             use_chat_template=gen.use_chat_template,
             max_context_length=gen.max_context_length,
             stop_at_newline=gen.stop_at_newline,
+            min_new_tokens=gen.min_new_tokens,
         )
         return [
             {
@@ -412,7 +411,7 @@ class JsonlSamples(Benchmark, name="jsonl"):
         files = sorted(src.glob("*.jsonl")) if src.is_dir() else [src]
         if not files or not files[0].is_file():
             raise FileNotFoundError(f"no JSONL samples at {src}")
-        samples = [Sample(**row) for f in files for row in read_jsonl(f)]
+        samples = [_jsonl_sample(f, k, row) for f in files for k, row in enumerate(read_jsonl(f), 1)]
         if cfg.tasks is not None:
             known = {s.task for s in samples}
             unknown = sorted(set(cfg.tasks) - known)
@@ -427,6 +426,26 @@ class JsonlSamples(Benchmark, name="jsonl"):
                     kept.append(s)
             samples = kept
         return samples
+
+
+def _jsonl_sample(path: Path, k: int, row) -> Sample:
+    """Record ``k`` of ``path`` as a question-answering sample; a malformed one raises naming the file and record."""
+    from core_kv.eval.scorers import METRICS
+
+    where = f"{path}: record {k}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: must be a JSON object of Sample fields, got {type(row).__name__}")
+    try:
+        if "max_new_tokens" in row:  # a question is answered: 1 token at least (Sample allows 0, for fidelity)
+            check_value(row["max_new_tokens"], int, "max_new_tokens", ge=1)
+        sample = Sample(**row)
+    except TypeError as e:  # a missing or unknown field
+        raise ValueError(f"{where}: {e}".replace("Sample.__init__() ", "")) from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if sample.metric not in METRICS:
+        raise ValueError(f"{where}: metric must be one of {', '.join(sorted(METRICS))}, got {sample.metric!r}")
+    return sample
 
 
 def write_samples(path: str | Path, samples: list[Sample]) -> Path:

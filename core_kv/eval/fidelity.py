@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core_kv.eval.schema import Sample
+from core_kv.eval.schema import Sample, ratio_label
 from core_kv.models.cache import cache_kwarg, cache_marks, crop_cache, kv_bytes
 from core_kv.pipeline import prefill
 from core_kv.presses.base import BasePress
@@ -424,7 +424,7 @@ def markdown_tables(cells: Iterable[Mapping]) -> str:
     full = next((v for (m, _), v in value.items() if m == "full"), None)
     out = []
     for metric in METRICS:
-        out += [f"**{METRIC_LABELS[metric]}**", "", "| method | " + " | ".join(f"{r:.2f}" for r in ratios) + " |"]
+        out += [f"**{METRIC_LABELS[metric]}**", "", "| method | " + " | ".join(ratio_label(r) for r in ratios) + " |"]
         out.append("|---|" + "---|" * len(ratios))
         for m in methods:
             vals = [full if m == "full" else value.get((m, r)) for r in ratios]

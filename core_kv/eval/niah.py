@@ -26,6 +26,7 @@ walks back to depth 0.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -269,7 +270,7 @@ def plot_niah_heatmap(
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("depth (%)")
-    ax.set_title(title)
+    ax.set_title("\n".join(textwrap.wrap(title, 45)), fontsize=9, loc="left")  # wrapped: stays inside the figure
     fig.colorbar(image, ax=ax, label="score")
     fig.tight_layout()
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))

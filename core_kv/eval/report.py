@@ -8,11 +8,45 @@ every ratio: it is the uncompressed model, whatever the ratio.
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 from core_kv.eval.benchmarks import Benchmark, get_benchmark
+from core_kv.eval.schema import ratio_label
 
 REFERENCE = "full"
+REFERENCE_FLOOR = 40.0
+"""Default floor of the full-cache reference (0-100 scores): a benchmark or task the uncompressed model scores below
+it cannot rank compression methods, and the report says so (the SmolLM2 card's rule, docs/models/smollm2-135m.md)."""
+
+
+def reference_warnings(cells: list[dict], floor: float = REFERENCE_FLOOR) -> dict[str, list[str]]:
+    """Per benchmark, the warnings its full-cache reference earns: its average, or any task, below ``floor``.
+
+    Only 0-100 scores where higher is better are checked (a KL is 0 for the reference by definition).
+
+    Returns:
+        ``{benchmark: [warning, ...]}`` for the benchmarks with at least one warning.
+    """
+    out: dict[str, list[str]] = {}
+    for bench in _benchmarks(cells):
+        ref = _lookup([c for c in cells if c["benchmark"] == bench], REFERENCE, 0.0)
+        if ref is None or not ref.get("higher_is_better", True) or not ref.get("unit", "").startswith("score (0-100)"):
+            continue
+        notes = []
+        if ref.get("average") is not None and ref["average"] < floor:
+            notes.append(
+                f"{bench}: the full cache (no compression) scores {_fmt(ref['average'])} < {floor:g}: the model does not "
+                "solve this benchmark uncompressed, so its cells cannot rank compression methods"
+            )
+        low = [f"{t} {_fmt(v)}" for t, v in ref.get("tasks", {}).items() if v is not None and v < floor]
+        if low and not (notes and len(low) == len(ref.get("tasks", {}))):  # all tasks low: the average note says it
+            notes.append(
+                f"{bench}: tasks whose full-cache score is below {floor:g} cannot rank methods: {', '.join(low)}"
+            )
+        if notes:
+            out[bench] = notes
+    return out
 
 
 def human_bytes(n: float | None) -> str:
@@ -70,6 +104,10 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
         Markdown text.
     """
     lines = [f"# core_kv evaluation - model: {model_label}", ""]
+    floor = getattr(cfg, "reference_floor", REFERENCE_FLOOR)
+    flagged = reference_warnings(cells, floor) if floor is not None else {}
+    if flagged:
+        lines += ["**Warnings (⚠):**", "", *(f"- ⚠ {w}" for ws in flagged.values() for w in ws), ""]
     if cfg is not None:
         cap = cfg.generation.max_new_tokens
         lines.append(
@@ -84,17 +122,23 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
         first = bc[0]
         direction = "higher is better" if first.get("higher_is_better", True) else "lower is better"
         lines += [f"## {bench} - {first.get('average_label', 'average')} ({direction})", ""]
-        lines += _grid_table(bc, ratios, "average")
+        lines += [f"⚠ {w}" + "  " for w in flagged.get(bench, [])] + ([""] if bench in flagged else [])
+        ref = _lookup(bc, REFERENCE, 0.0)
+        below = ref is not None and bench in flagged and ref.get("average") is not None and ref["average"] < floor
+        lines += _grid_table(bc, ratios, "average", flag=below)
         for title, key in get_benchmark(first.get("kind", bench)).report_tables(bc):
             lines += [f"**{title}**", "", *_grid_table(bc, ratios, key, digits=4)]
         tasks = list(dict.fromkeys(t for c in bc for t in c.get("tasks", {})))
         lengths = list(dict.fromkeys(L for c in bc for L in c.get("by_length", {})))
-        head = ["method", "ratio", *tasks, *(f"avg L={L}" for L in lengths), "average"]
+        ref_tasks = ref.get("tasks", {}) if ref is not None and bench in flagged else {}
+        low = {t for t in tasks if ref_tasks.get(t) is not None and ref_tasks[t] < floor}
+        head = ["method", "ratio", *(f"{t} ⚠" if t in low else t for t in tasks), *(f"avg L={L}" for L in lengths)]
+        head += ["average ⚠" if below else "average"]
         head += ["KV payload / ctx", "aux state / ctx", "ctx tokens"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for c in bc:
-            row = [c["method"], f"{c['ratio']:.2f}", *(_fmt(c["tasks"].get(t)) for t in tasks)]
+            row = [c["method"], ratio_label(c["ratio"]), *(_fmt(c["tasks"].get(t)) for t in tasks)]
             row += [*(_fmt(c.get("by_length", {}).get(L)) for L in lengths), _fmt(c["average"])]
             row += [
                 human_bytes(c.get("kv_bytes")),
@@ -108,26 +152,68 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
     return "\n".join(lines)
 
 
-def _grid_table(cells: list[dict], ratios: list[float], key: str, digits: int | None = None) -> list[str]:
-    """Methods × ratios of ``cell[key]``; the reference row repeats its one value at every ratio."""
+def _grid_table(
+    cells: list[dict], ratios: list[float], key: str, digits: int | None = None, flag: bool = False
+) -> list[str]:
+    """Methods × ratios of ``cell[key]``; the reference row repeats its one value at every ratio. ``flag`` marks the
+    reference row as below the floor (⚠)."""
     columns = ratios or [0.0]  # a reference-only run has one column
-    lines = ["| method | " + " | ".join(f"{r:.2f}" for r in columns) + " |", "|---|" + "---|" * len(columns)]
+    lines = ["| method | " + " | ".join(ratio_label(r) for r in columns) + " |", "|---|" + "---|" * len(columns)]
     for m in _methods(cells):
         vals = [_lookup(cells, m, r) for r in columns]
-        name = f"{m} (reference)" if m == REFERENCE else m
+        name = (f"{m} (reference)" + (" ⚠ below the floor" if flag else "")) if m == REFERENCE else m
         shown = [v.get(key) if v else None for v in vals]
         text = [f"{x:.{digits}f}" if digits is not None and x is not None else _fmt(x) for x in shown]
         lines.append(f"| {name} | " + " | ".join(text) + " |")
     return [*lines, ""]
 
 
-def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> Path:
+def wrap(text: str, width: int) -> str:
+    """``text`` broken into lines of at most ``width`` characters (long titles and axis labels stay inside figures)."""
+    return "\n".join(textwrap.wrap(text, width)) or text
+
+
+def dodge(series: dict[str, list[tuple[float, float]]], step: float, spread: float) -> dict[tuple[str, float], float]:
+    """Horizontal offsets that keep tied points visible: the methods with the same score at the same x are spread
+    side by side around it, ``step`` apart (at most ``spread`` from the first to the last), in method order.
+
+    Args:
+        series: per method, its ``(x, y)`` points.
+        step: distance between neighbours of a tie.
+        spread: the widest a tie may be spread.
+
+    Returns:
+        ``{(method, x): offset}`` for every point (0 for a point that ties with none).
+    """
+    groups: dict[tuple[float, float], list[str]] = {}
+    for m, pts in series.items():
+        for x, y in pts:
+            groups.setdefault((x, round(y, 6)), []).append(m)
+    out: dict[tuple[str, float], float] = {}
+    for (x, _), members in groups.items():
+        k = len(members)
+        gap = min(step, spread / (k - 1)) if k > 1 else 0.0
+        for j, m in enumerate(members):
+            out[(m, x)] = (j - (k - 1) / 2) * gap
+    return out
+
+
+MARKERS = "osD^vP<>X*phd"
+"""One marker shape per method (cycled), so lines that share a colour family stay apart."""
+
+
+def plot_compression_curves(cells: list[dict], path: str | Path, title: str, note: str = "") -> Path:
     """Score vs fraction removed, one line per method (starting from the reference at 0), reference dashed.
+
+    Each method's measured points carry its own marker shape; points where several methods tie are drawn side by
+    side (a figure note says so), so no marker hides another. The title and axis labels are wrapped and the figure
+    is saved with a tight bounding box, so every text stays inside the image.
 
     Args:
         cells: the cells of one benchmark.
         path: output PNG (written atomically).
         title: figure title (benchmark and model).
+        note: an extra line under the title (e.g. the reference-floor warning).
 
     Returns:
         The written path.
@@ -141,22 +227,35 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> 
     ref = _lookup(cells, REFERENCE, 0.0)
     methods = [m for m in _methods(cells) if m != REFERENCE]
     ncol = 1 + len(methods) // 15  # a legend column per 15 methods, so a long grid's legend stays inside the figure
-    fig = Figure(figsize=(7.5 + 2.6 * (ncol - 1), 4.0))
+    fig = Figure(figsize=(7.5 + 2.6 * (ncol - 1), 4.2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    colors = matplotlib.colormaps["tab20"].colors  # 10 default colours repeat for the 14-method grid
+    colors = matplotlib.colormaps["tab10" if len(methods) <= 10 else "tab20"].colors
+    series = {m: sorted((c["ratio"], c["average"]) for c in cells if c["method"] == m) for m in methods}
+    offsets = dodge(series, step=0.022, spread=0.12)
     for i, m in enumerate(methods):
-        pts = sorted((c["ratio"], c["average"]) for c in cells if c["method"] == m)
-        if ref is not None:
-            pts = [(0.0, ref["average"]), *pts]
-        style = {"color": colors[i % len(colors)], "marker": "osD^v<>"[i % 7]}
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, **style)
+        pts = [(x + offsets[(m, x)], y) for x, y in series[m]]
+        start = [(0.0, ref["average"])] if ref is not None else []
+        line = start + pts
+        ax.plot(
+            [p[0] for p in line],
+            [p[1] for p in line],
+            label=m,
+            color=colors[i % len(colors)],
+            marker=MARKERS[i % len(MARKERS)],
+            markevery=list(range(len(start), len(line))),  # the shared reference point carries no marker
+            markeredgecolor="black",
+            markeredgewidth=0.5,
+            markersize=7,
+        )
     if ref is not None:
         ax.axhline(ref["average"], color="black", linestyle="--", linewidth=1, label=f"{REFERENCE} (no compression)")
     first = cells[0]
-    ax.set_xlabel("compression ratio (fraction of KV cache removed)")
-    ax.set_ylabel(first.get("average_label", "score"))
-    ax.set_title(title, fontsize=10)
+    tied = "\n(tied points drawn side by side)" if any(offsets.values()) else ""
+    ax.set_xlabel("compression ratio (fraction of KV cache removed)" + tied)
+    ax.set_ylabel(wrap(first.get("average_label", "score"), 40))
+    head = wrap(title, 80) + (f"\n{wrap(note, 90)}" if note else "")
+    ax.set_title(head, fontsize=10, loc="left")
     ax.set_xlim(-0.02, 1.0)
     if first.get("unit", "").startswith("score (0-100)"):
         ax.set_ylim(-2, 102)
@@ -164,13 +263,16 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str) -> 
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=ncol)  # outside: curves fill the plot
     fig.tight_layout()
     path = Path(path)
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png", bbox_inches="tight"))
 
 
-def benchmark_plots(bench: Benchmark, entry: str, cells: list[dict], out_dir: Path) -> list[Path]:
+def benchmark_plots(
+    bench: Benchmark, entry: str, cells: list[dict], out_dir: Path, floor: float | None = REFERENCE_FLOOR
+) -> list[Path]:
     """The compression curve of one benchmark plus its own per-cell figures (e.g. NIAH heat maps).
 
-    Per-cell figures need the cell's rows, read back from its ``predictions.jsonl``.
+    Per-cell figures need the cell's rows, read back from its ``predictions.jsonl``. A reference below ``floor``
+    (:func:`reference_warnings`) is noted under the curve's title.
     """
     from core_kv.eval.schema import cell_dir
     from core_kv.files import read_jsonl
@@ -179,13 +281,15 @@ def benchmark_plots(bench: Benchmark, entry: str, cells: list[dict], out_dir: Pa
     if not cells:
         return []
     label = cells[0].get("model_label", cells[0]["model"])
-    files = [plot_compression_curves(cells, Path(out_dir) / f"curves__{entry}.png", f"{entry} - {label}")]
+    notes = reference_warnings(cells, floor).get(entry, []) if floor is not None else []
+    note = "⚠ " + notes[0].split(": ", 1)[1] if notes else ""
+    files = [plot_compression_curves(cells, Path(out_dir) / f"curves__{entry}.png", f"{entry} - {label}", note)]
     if type(bench).plots is not Benchmark.plots:
         root = Path(out_dir).parent
         for c in cells:
             rows = read_jsonl(cell_dir(root, entry, c["model"], c["method"], c["ratio"]) / "predictions.jsonl")
-            name = f"{entry}__{c['method']}__{c['ratio']:.2f}"
-            files += bench.plots(rows, out_dir, name, f"{c['method']} @ {c['ratio']:.2f} - {label}")
+            name = f"{entry}__{c['method']}__{ratio_label(c['ratio'])}"
+            files += bench.plots(rows, out_dir, name, f"{c['method']} @ {ratio_label(c['ratio'])} - {label}")
     return files
 
 
@@ -193,7 +297,7 @@ def log_to_tracker(accelerator, cells: list[dict], markdown: str, images: list[P
     """Log every cell's metrics, the results table and the PNGs to the accelerator's trackers (main process)."""
     flat = {}
     for c in cells:
-        key = f"{c['benchmark']}/{c['method']}/{c['ratio']:.2f}"
+        key = f"{c['benchmark']}/{c['method']}/{ratio_label(c['ratio'])}"
         flat[f"{key}/average"] = c["average"]
         flat[f"{key}/kv_bytes"] = c.get("kv_bytes")
         flat[f"{key}/aux_bytes"] = c.get("aux_bytes")

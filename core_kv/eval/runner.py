@@ -25,6 +25,7 @@ import math
 import os
 import time
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from core_kv.config import to_dict
+from core_kv.config import ConfigError, check_on_init, folder, non_empty, option, to_dict
 from core_kv.eval.benchmarks import (
     BENCHMARKS,
     Benchmark,
@@ -44,9 +45,18 @@ from core_kv.eval.benchmarks import (
     GroupJob,
     get_benchmark,
 )
-from core_kv.eval.schema import Sample, cell_dir
-from core_kv.files import atomic_write_json, atomic_write_jsonl, atomic_write_text
-from core_kv.models.loading import check_context_window, default_model, load_model, model_label
+from core_kv.eval.report import REFERENCE_FLOOR
+from core_kv.eval.schema import Sample, cell_dir, ratio_label
+from core_kv.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl, writing
+from core_kv.lock import main_process_lock
+from core_kv.models.loading import (
+    ATTN_IMPLEMENTATIONS,
+    DTYPES,
+    check_context_window,
+    default_model,
+    load_model,
+    model_label,
+)
 from core_kv.presses.base import PRESSES, BasePress, build_press
 
 REFERENCE = "full"
@@ -69,9 +79,9 @@ class ModelConfig:
     """
 
     name: str = ""
-    dtype: str = "auto"
+    dtype: str = option("auto", choices=DTYPES)
     device_map: str | None = None
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = option("sdpa", choices=ATTN_IMPLEMENTATIONS)
     trust_remote_code: bool = False
     revision: str | None = None
 
@@ -88,16 +98,10 @@ class TrackerConfig:
             (``wandb sync`` uploads later).
     """
 
-    name: str = "none"
+    name: str = option("none", choices=("none", "wandb"))
     project: str = "core_kv-eval"
     run_name: str | None = None
-    mode: str = "offline"
-
-    def __post_init__(self):
-        if self.name not in ("none", "wandb"):
-            raise ValueError(f"tracker.name must be 'none' or 'wandb', got {self.name!r}")
-        if self.mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"tracker.mode must be offline, online or disabled, got {self.mode!r}")
+    mode: str = option("offline", choices=("offline", "online", "disabled"))
 
 
 def _default_datasets() -> dict[str, BenchmarkConfig]:
@@ -110,6 +114,16 @@ def _default_datasets() -> dict[str, BenchmarkConfig]:
         ),
         "niah": BenchmarkConfig(lengths=[1024, 2048], options={"depths": [0, 50, 100]}),
     }
+
+
+DEFAULT_CORE_CHECKPOINT = "checkpoints/core-smollm2/final"
+"""The shipped CORE artifact of the default suite's model (SmolLM2-135M-Instruct)."""
+
+
+def _default_press_options() -> dict[str, Any]:
+    # CORE needs its trained artifact; this one fits the default model, SmolLM2 (another model: pass
+    # press_options.core.checkpoint=<its artifact>, or leave core out of methods)
+    return {"core": {"checkpoint": DEFAULT_CORE_CHECKPOINT}}
 
 
 @dataclass
@@ -133,6 +147,8 @@ class EvalConfig:
         tracker: experiment tracking (off by default).
         progress: show progress bars.
         plots: write compression-curve PNGs (and NIAH heat maps).
+        reference_floor: a benchmark or task whose full-cache reference scores below this (0-100 scores) cannot rank
+            compression methods: the table and the report flag it with ⚠ and a warning; ``null`` turns the check off.
         cpu_threads: torch intra-op threads for this run (restored afterwards); ``null`` keeps torch's setting.
             Default 1: for the small models of CPU runs on a shared machine, 1 thread measured 40x faster than 2
             contending ones (157 s vs 4 s per RULER cell); raise it for a big model on an idle many-core CPU. GPU
@@ -140,52 +156,82 @@ class EvalConfig:
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    methods: list[str] = field(default_factory=lambda: ["keydiff", "snapkv", "streaming_llm", "knorm"])
-    ratios: list[float] = field(default_factory=lambda: [0.75])
+    methods: list[str] = field(default_factory=lambda: ["core", "keydiff", "snapkv", "streaming_llm", "knorm"])
+    ratios: list[float] = option(factory=lambda: [0.75], gt=0, lt=1)
     reference: bool = True
-    press_options: dict[str, Any] = field(default_factory=dict)
-    benchmarks: list[str] = field(default_factory=lambda: ["ruler", "niah"])
+    press_options: dict[str, Any] = field(default_factory=_default_press_options)
+    benchmarks: list[str] = option(factory=lambda: ["ruler", "niah"], check=non_empty)
     datasets: dict[str, BenchmarkConfig] = field(default_factory=_default_datasets)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    output_dir: str = "results/eval"
-    seed: int = 42
+    output_dir: str = option("results/eval", check=folder)
+    seed: int = option(42, ge=0)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     progress: bool = True
     plots: bool = True
-    cpu_threads: int | None = 1
+    reference_floor: float | None = option(REFERENCE_FLOOR, ge=0)
+    cpu_threads: int | None = option(1, ge=1)
 
     def __post_init__(self):
+        check_on_init(self)
+
+    def check(self, prefix: str = "") -> None:
+        """Cross-field rules; the field checks (types, ranges, choices) are :func:`core_kv.config.check_config`'s."""
         import core_kv.presses  # noqa: F401  (registers the built-in presses)
 
-        for m in self.methods:
-            kind, _ = method_spec(m, self.press_options.get(m))
-            if kind not in PRESSES:
-                raise ValueError(f"unknown method {kind!r}; registered presses: {', '.join(sorted(PRESSES))}")
         if len(set(self.methods)) != len(self.methods):
-            raise ValueError(f"methods has duplicates: {self.methods}")
-        for r in self.ratios:
-            if not 0.0 < r < 1.0:
-                raise ValueError(f"ratios must be in (0, 1) (fraction of the cache removed), got {r}")
-        if not self.benchmarks:
-            raise ValueError("benchmarks is empty: name at least one entry of datasets")
+            raise ConfigError(f"{prefix}methods has duplicates: {self.methods}")
+        for m in self.methods:
+            opts = self.press_options.get(m)
+            if opts is not None and not isinstance(opts, dict):
+                raise ConfigError(f"{prefix}press_options.{m} must be a mapping of {m}'s options (option: value), "
+                                  f"got {opts!r}")  # fmt: skip
+            kind, _ = method_spec(m, opts)
+            if kind not in PRESSES:
+                raise ConfigError(
+                    f"{prefix}methods: unknown method {kind!r}; registered presses: {', '.join(sorted(PRESSES))}"
+                )
+        labels = [ratio_label(r) for r in self.ratios]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"{prefix}ratios has duplicates: {list(self.ratios)}")
+        compressed = [m for m in self.methods if m != REFERENCE]
+        if compressed and not self.ratios:
+            raise ConfigError(
+                f"{prefix}ratios is empty: methods {compressed} need at least one compression ratio in (0, 1) "
+                "(methods=[] runs the reference alone)"
+            )
         if len(set(self.benchmarks)) != len(self.benchmarks):
-            raise ValueError(f"benchmarks has duplicates: {self.benchmarks}")
+            raise ConfigError(f"{prefix}benchmarks has duplicates: {self.benchmarks}")
         for b in self.benchmarks:
             if b not in self.datasets:
                 self.datasets[b] = BenchmarkConfig()  # a registered benchmark with its defaults
             kind = self.datasets[b].kind or b
             if kind not in BENCHMARKS:
-                raise ValueError(f"unknown benchmark {kind!r}; registered: {', '.join(sorted(BENCHMARKS))}")
-        for name, d in self.datasets.items():
-            d.check(f"datasets.{name}.")
+                raise ConfigError(
+                    f"{prefix}benchmarks: unknown benchmark {kind!r}; registered: {', '.join(sorted(BENCHMARKS))}"
+                )
         unknown_opts = set(self.press_options) - set(self.methods) - {REFERENCE}
-        if unknown_opts:  # e.g. a shipped config narrowed with methods=[...] on the command line
-            warnings.warn(f"press_options for methods not in the run are ignored: {sorted(unknown_opts)}", stacklevel=2)
+        named = unknown_opts - {k for k, v in _default_press_options().items() if self.press_options.get(k) == v}
+        if named:  # e.g. a shipped config narrowed with methods=[...] on the command line (the defaults go silently)
+            warnings.warn(f"press_options for methods not in the run are ignored: {sorted(named)}", stacklevel=2)
+        if unknown_opts:
             self.press_options = {k: v for k, v in self.press_options.items() if k not in unknown_opts}
         if not self.methods and not self.reference:
-            raise ValueError("nothing to run: no methods and reference=false")
+            raise ConfigError(f"{prefix}methods: nothing to run: no methods and reference=false")
         if self.model.device_map is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("model.device_map shards one model; it cannot be combined with several processes")
+            raise ConfigError(
+                f"{prefix}model.device_map shards one model; it cannot be combined with several processes"
+            )
+        for m in self.methods:  # every press option, type and range, before anything is loaded
+            try:
+                press = _build_press(self, m, self.ratios[0] if self.ratios else 0.5)
+            except (ValueError, TypeError) as e:
+                where = f"press_options.{m}" if self.press_options.get(m) else f"methods: {m}"
+                raise ConfigError(f"{prefix}{where}: {e}") from None
+            if press.needs_attentions and self.model.attn_implementation != "eager":
+                raise ConfigError(
+                    f"{prefix}model.attn_implementation must be 'eager' for method {m!r} (it scores from attention "
+                    f"weights), got {self.model.attn_implementation!r}"
+                )
 
 
 @dataclass
@@ -197,12 +243,14 @@ class EvalResults:
         markdown: the report table.
         output_dir: results root.
         files: report files written (markdown, PNGs, results.json).
+        warnings: the report's warnings (a full-cache reference below ``reference_floor``).
     """
 
     cells: list[dict]
     markdown: str
     output_dir: Path
     files: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------------- naming, spec
@@ -240,7 +288,7 @@ class _Prepared:
 
 
 def _prepare(samples, groups, tokenizer, model, gen: GenerationConfig, name: str) -> _Prepared:
-    from core_kv.pipeline import encode
+    from core_kv.pipeline import check_window, encode
 
     n = len(samples)
     ctx_hash, in_hash, in_tokens = [""] * n, [""] * n, [0] * n
@@ -260,11 +308,7 @@ def _prepare(samples, groups, tokenizer, model, gen: GenerationConfig, name: str
             ctx_hash[i] = _sha256_ids(c_ids)
             in_hash[i] = _sha256_ids(c_ids + [-1] + q_ids)
             in_tokens[i] = len(c_ids) + len(q_ids)
-            check_context_window(
-                model,
-                in_tokens[i] + gen.budget(s),
-                f"{name}/{s.task} (length {s.length}): {in_tokens[i]} input tokens + {gen.budget(s)} new tokens",
-            )
+            check_window(model, len(c_ids), len(q_ids), gen.budget(s), f"{name}/{s.task} (length {s.length})")
     return _Prepared(ctx_hash, in_hash, in_tokens)
 
 
@@ -290,7 +334,7 @@ def _build_press(cfg: EvalConfig, method: str, ratio: float) -> BasePress:
 def _append_line(path: Path, obj: dict) -> None:
     """Append one JSON line and fsync it, so a crash loses at most the line being written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
+    with writing(path, "partial predictions"), open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(obj, ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -359,10 +403,16 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
     out_root = Path(cfg.output_dir)
     name = cfg.model.name or default_model()
     label = model_label(name)
+    locked = ExitStack()
     try:
+        locked.enter_context(main_process_lock(out_root, "evaluation", acc))  # one writer per results folder
         if cfg.tracker.name != "none":
-            run_name = {"wandb": {"name": cfg.tracker.run_name}} if cfg.tracker.run_name else {}
-            acc.init_trackers(cfg.tracker.project, config=to_dict(cfg), init_kwargs=run_name)
+            # mode and dir passed explicitly: wandb caches its settings process-wide at first use, so an earlier run
+            # in the same process (a training run, a test) would otherwise decide where this one goes
+            kwargs = {"name": cfg.tracker.run_name} if cfg.tracker.run_name else {}
+            if cfg.tracker.name == "wandb":
+                kwargs.update(mode=os.environ.get("WANDB_MODE", cfg.tracker.mode), dir=os.environ["WANDB_DIR"])
+            acc.init_trackers(cfg.tracker.project, config=to_dict(cfg), init_kwargs={cfg.tracker.name: kwargs})
         model, tokenizer = load_model(
             name,
             dtype=cfg.model.dtype,
@@ -382,6 +432,7 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
 
         cells: list[dict] = []
         files: list[Path] = []
+        benches = []  # every benchmark is loaded and checked (options, context window) before any cell runs
         for entry in cfg.benchmarks:
             bcfg = cfg.datasets[entry]
             bench = get_benchmark(bcfg.kind or entry)
@@ -395,7 +446,9 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
                 )
             groups = group_by_context(samples)
             prep = _prepare(samples, groups, tokenizer, model, cfg.generation, entry)
-            loaded = _Loaded(entry, bcfg, bench, samples, groups, prep)
+            benches.append(_Loaded(entry, bcfg, bench, samples, groups, prep))
+        for loaded in benches:
+            entry, bench = loaded.entry, loaded.bench
             grid = ([(REFERENCE, 0.0)] if cfg.reference else []) + [
                 (m, r) for m in cfg.methods if m != REFERENCE for r in cfg.ratios
             ]
@@ -404,21 +457,33 @@ def run_eval(cfg: EvalConfig) -> EvalResults:
             bench_cells = []
             for method, ratio in grid:
                 bench_cells.append(_run_cell(cfg, acc, loaded, method, ratio, model, tokenizer, name, label))
+            if main:  # an earlier run's finished cells in this folder are reported too
+                bench_cells += _other_cells(out_root, entry, name, bench_cells)
             if main and cfg.plots:
-                files += report.benchmark_plots(bench, entry, bench_cells, out_root / "plots")
+                files += report.benchmark_plots(bench, entry, bench_cells, out_root / "plots", cfg.reference_floor)
             cells += bench_cells
 
         markdown, results = "", EvalResults([], "", out_root)
         if main:
             markdown = report.markdown_report(cells, label, cfg)
+            others = [c for c in folder_cells(out_root) if c["model"] != name]  # other models' cells in this folder
+            for model_name in dict.fromkeys(c["model"] for c in others):
+                mine = [c for c in others if c["model"] == model_name]
+                markdown += "\n" + report.markdown_report(mine, mine[0].get("model_label", model_name))
+                cells += mine
             files.insert(0, atomic_write_text(out_root / "report.md", markdown))
             files.append(atomic_write_json(out_root / "results.json", {"model": label, "cells": cells}))
             if cfg.tracker.name != "none":
                 report.log_to_tracker(acc, cells, markdown, [f for f in files if f.suffix == ".png"])
-            results = EvalResults(cells, markdown, out_root, files)
+            floor = cfg.reference_floor
+            warns = (
+                [w for ws in report.reference_warnings(cells, floor).values() for w in ws] if floor is not None else []
+            )
+            results = EvalResults(cells, markdown, out_root, files, warns)
         acc.wait_for_everyone()
         return results
     finally:
+        locked.close()
         torch.set_num_threads(threads)
         for tracker in acc.trackers:
             tracker.finish()
@@ -451,7 +516,7 @@ def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model
     press = _build_press(cfg, method, ratio)
     spec = _cell_spec(cfg, b, name, press, method, ratio)
     spec_yaml = OmegaConf.to_yaml(OmegaConf.create(_jsonable(spec)))
-    tag = f"{b.entry} | {method} @ {ratio:.2f}"
+    tag = f"{b.entry} | {method} @ {ratio_label(ratio)}"
 
     status = [None]
     if main:
@@ -467,7 +532,7 @@ def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model
             print(f"[core_kv eval] {tag}: finished earlier, skipped ({folder})", flush=True)
             for p in folder.glob("predictions.partial.rank*.jsonl"):
                 p.unlink()
-            return json.loads((folder / "metrics.json").read_text(encoding="utf-8"))
+            return read_metrics(folder / "metrics.json")
         return {}
 
     done_ids = [None]
@@ -523,9 +588,10 @@ def _run_cell(cfg: EvalConfig, acc, b: _Loaded, method: str, ratio: float, model
 
 
 def _spec_defaults(cfg: EvalConfig, b: _Loaded) -> dict[str, dict]:
-    """Default values of the cell spec's option sections, by section (see :func:`_same_spec`)."""
+    """Per section of the cell spec, the value each option had before it existed (see :func:`_same_spec`): its
+    default, except ``generation.min_new_tokens``, whose earlier rule (stop on a first-token eos) is 0."""
     return {
-        "generation": to_dict(GenerationConfig()),
+        "generation": {**to_dict(GenerationConfig()), "min_new_tokens": 0},
         "model_config": {k: v for k, v in to_dict(ModelConfig()).items() if k != "name"},
         "dataset": {**to_dict(type(b.cfg)()), "kind": b.cfg.kind or b.entry},
     }
@@ -553,11 +619,19 @@ def _same_spec(stored_yaml: str, spec_yaml: str, defaults: dict[str, dict]) -> b
 
 
 def _check_folder(folder: Path, spec_yaml: str, defaults: dict[str, dict] | None = None) -> str:
-    """``finished``, ``resume`` or ``new``; a folder written by a different config raises (``defaults``: see
-    :func:`_same_spec`)."""
+    """``finished``, ``resume`` or ``new``; a folder written by a different config, or whose ``config.yaml`` cannot be
+    read, raises naming it (``defaults``: see :func:`_same_spec`). A ``metrics.json`` that cannot be read or is not a
+    cell's metrics is reported and the cell recomputed."""
     cfg_path = folder / "config.yaml"
     if cfg_path.exists():
-        if not _same_spec(cfg_path.read_text(encoding="utf-8"), spec_yaml, defaults or {}):
+        try:
+            same = _same_spec(cfg_path.read_text(encoding="utf-8"), spec_yaml, defaults or {})
+        except Exception as e:  # binary or malformed YAML: whose cell it is cannot be told
+            raise ValueError(
+                f"{cfg_path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the "
+                f"cell cannot be matched to this run: delete {folder} to recompute it, or use another output_dir"
+            ) from None
+        if not same:
             raise ValueError(
                 f"{folder} holds results of a different configuration (compare its config.yaml); use another "
                 "output_dir or delete the folder"
@@ -565,14 +639,80 @@ def _check_folder(folder: Path, spec_yaml: str, defaults: dict[str, dict] | None
         metrics = folder / "metrics.json"
         if not metrics.exists():
             return "resume"
+        spec = OmegaConf.to_container(OmegaConf.create(spec_yaml))
+        found = read_metrics(metrics, spec)
+        if found is None:  # e.g. a disk filled up while it was written: recomputed
+            return "resume"
+        predictions = folder / "predictions.jsonl"
         try:
-            json.loads(metrics.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # e.g. a disk filled up while it was written
-            warnings.warn(f"{metrics} is unreadable ({e}): the cell is treated as unfinished and recomputed",
-                          stacklevel=2)  # fmt: skip
+            rows = read_jsonl(predictions)
+            problem = (
+                None
+                if len(rows) == found["num_samples"]
+                else f"{len(rows)} rows, metrics.json counts {found['num_samples']}"
+            )
+        except (OSError, ValueError) as e:
+            problem = str(e)
+        if problem:
+            warnings.warn(f"{predictions} is unreadable ({problem}): the cell is recomputed", stacklevel=2)
             return "resume"
         return "finished"
     return "new"
+
+
+CELL_KEYS = ("benchmark", "model", "method", "ratio", "average", "num_samples", "num_contexts")
+
+
+def read_metrics(path: Path, spec: dict | None = None) -> dict | None:
+    """A cell's ``metrics.json``, or ``None`` with a warning naming the file when it cannot be read, is not a cell's
+    metrics (a key of :data:`CELL_KEYS` missing) or belongs to another cell than ``spec`` (benchmark, method,
+    ratio): the cell is then recomputed."""
+    metrics, problem = _load_metrics(path, spec)
+    if problem:
+        warnings.warn(f"{path} is unreadable ({problem}): the cell is treated as unfinished and recomputed",
+                      stacklevel=2)  # fmt: skip
+    return metrics
+
+
+def _load_metrics(path: Path, spec: dict | None = None) -> tuple[dict | None, str | None]:
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+        return None, f"{type(e).__name__}: {e}"
+    if not isinstance(metrics, dict):
+        return None, f"not a JSON object ({type(metrics).__name__})"
+    missing = [k for k in CELL_KEYS if k not in metrics]
+    if missing:
+        return None, f"missing {', '.join(missing)}"
+    if spec and any(metrics[k] != spec.get(k) for k in ("benchmark", "method", "ratio")):
+        return None, "the metrics of another cell"
+    return metrics, None
+
+
+def folder_cells(out_root: Path) -> list[dict]:
+    """Every finished cell under ``out_root`` (a folder with ``config.yaml`` and a readable ``metrics.json``); a
+    damaged ``metrics.json`` is reported, naming it, and left out."""
+    found = []
+    for path in sorted(out_root.glob("*/metrics.json")):
+        if (path.parent / "config.yaml").is_file():
+            metrics, problem = _load_metrics(path)
+            if problem:
+                warnings.warn(f"{path} is unreadable ({problem}): left out of the report", stacklevel=2)
+            else:
+                found.append(metrics)
+    return found
+
+
+def _other_cells(out_root: Path, entry: str, model: str, cells: list[dict]) -> list[dict]:
+    """Finished cells of ``entry`` and ``model`` in ``out_root`` that this run did not compute (an earlier run's
+    methods or ratios), so the report covers every finished cell of the folder; the reference first."""
+    have = {(c["method"], c["ratio"]) for c in cells}
+    found = [
+        c
+        for c in folder_cells(out_root)
+        if c["benchmark"] == entry and c["model"] == model and (c["method"], c["ratio"]) not in have
+    ]
+    return sorted(found, key=lambda c: (c["method"] != REFERENCE, c["method"], c["ratio"]))
 
 
 def _row(s: Sample, i: int, g: int, method, ratio, res: dict, prep: _Prepared, gen: GenerationConfig) -> dict:

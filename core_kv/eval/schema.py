@@ -6,6 +6,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from core_kv.config import check_config, option
 from core_kv.models.loading import TINY
 
 
@@ -35,10 +36,13 @@ class Sample:
     question: str
     answer_prefix: str
     answers: list[str]
-    max_new_tokens: int
+    max_new_tokens: int = option(ge=0)
     metric: str
-    length: int
+    length: int = option(ge=0)
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_config(self)  # every field's type (a jsonl row with "max_new_tokens": "8" is named, not run)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,6 +58,13 @@ def model_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name.replace("/", "--"))
 
 
+def ratio_label(ratio: float) -> str:
+    """The compression ratio as folders and reports name it: two decimals (``0.75``, ``0.50``) when they are the ratio
+    exactly, else its shortest exact form (``0.125``, ``0.7549``), so two ratios never share a label."""
+    two = f"{ratio:.2f}"
+    return two if float(two) == ratio else repr(float(ratio))
+
+
 def cell_dir(output_dir: str | Path, benchmark: str, model: str, method: str, ratio: float) -> Path:
-    """``{output_dir}/{benchmark}__{model}__{method}__{ratio:.2f}`` (kvpress's layout)."""
-    return Path(output_dir) / f"{benchmark}__{model_slug(model)}__{method}__{ratio:.2f}"
+    """``{output_dir}/{benchmark}__{model}__{method}__{ratio_label(ratio)}`` (kvpress's layout)."""
+    return Path(output_dir) / f"{benchmark}__{model_slug(model)}__{method}__{ratio_label(ratio)}"

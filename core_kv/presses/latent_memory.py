@@ -79,7 +79,9 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
     def validate(self) -> None:
         super().validate()
         if self.scorer is None:
-            raise ValueError(f"{self.name} needs the CORE scorer in the press it wraps (core_scorer), got {self.press!r}")
+            raise ValueError(
+                f"{self.name} needs the CORE scorer in the press it wraps (core_scorer), got {self.press!r}"
+            )
         if self.write_rule is not None and self.write_rule not in WRITE_RULES:
             raise ValueError(f"write_rule must be one of {WRITE_RULES} or None, got {self.write_rule!r}")
         if self.memory_dtype not in MEMORY_DTYPES:
@@ -157,7 +159,9 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
             return
         st = self._memory.get(idx)
         if st is None or self._state[idx]["empty_before"]:
-            st = self._memory[idx] = MemoryLayer(survive=torch.ones(module.config.num_key_value_heads, device=hs.device))
+            st = self._memory[idx] = MemoryLayer(
+                survive=torch.ones(module.config.num_key_value_heads, device=hs.device)
+            )
         st.fwd = {"cache": cache, "position_embeddings": kwargs["position_embeddings"]}
         # a decode step that will read the memory: let the attention return its log-partition (no q·K recompute)
         if st.mem is not None and hs.shape[1] == 1 and self.sink_log_partition:

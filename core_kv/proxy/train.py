@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from core_kv.config import load_config, to_dict
+from core_kv.config import ConfigError, check_on_init, folder, load_config, non_empty, option, to_dict
 from core_kv.files import atomic_write_json, read_jsonl
 from core_kv.proxy.tokenizer import build_proxy_tokenizer
 
@@ -55,16 +55,50 @@ FULL_MIX = {
 
 @dataclass
 class ProxyModelConfig:
-    """Llama shape; ``vocab_size`` comes from the tokenizer."""
+    """Llama shape; ``vocab_size`` comes from the tokenizer.
 
-    hidden_size: int = 192
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 2
-    intermediate_size: int = 576
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 8192
+    Args:
+        hidden_size / num_hidden_layers / num_attention_heads / num_key_value_heads / intermediate_size: the
+            transformers ``LlamaConfig`` fields of the same names.
+        rope_theta: RoPE base.
+        max_position_embeddings: the longest context the model is built for.
+        tie_word_embeddings: share the input embedding with the LM head.
+    """
+
+    hidden_size: int = option(192, ge=1)
+    num_hidden_layers: int = option(4, ge=1)
+    num_attention_heads: int = option(8, ge=1)
+    num_key_value_heads: int = option(2, ge=1)
+    intermediate_size: int = option(576, ge=1)
+    rope_theta: float = option(10000.0, gt=0)
+    max_position_embeddings: int = option(8192, ge=1)
     tie_word_embeddings: bool = True
+
+    def check(self, prefix: str = "model.") -> None:
+        if self.num_attention_heads % self.num_key_value_heads or self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"{prefix}num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"{prefix}num_key_value_heads ({self.num_key_value_heads}) and divide {prefix}hidden_size "
+                f"({self.hidden_size})"
+            )
+
+
+def _task_weights_ok(mix: dict) -> str | None:
+    from core_kv.proxy.data import TASKS
+
+    unknown = sorted(set(mix) - set(TASKS))
+    if unknown:
+        return f"a mapping of proxy tasks ({', '.join(TASKS)}) to weights; unknown: {unknown}"
+    if any(w < 0 for w in mix.values()) or (mix and not sum(mix.values()) > 0):
+        return "task weights >= 0 with a positive sum"
+    return None
+
+
+def _tasks_ok(tasks: list) -> str | None:
+    from core_kv.proxy.data import TASKS
+
+    unknown = sorted(set(tasks) - set(TASKS))
+    return f"proxy tasks ({', '.join(TASKS)}); unknown: {unknown}" if unknown else None
 
 
 @dataclass
@@ -75,78 +109,118 @@ class Phase:
     ``min_steps`` steps, or after ``max_steps`` steps; the last phase runs to ``ProxyTrainConfig.total_steps``.
     """
 
-    min_len: int = 48
-    max_len: int = 160
-    tokens_per_step: int = 4096
-    min_steps: int = 0
-    max_steps: int = 1_000_000
-    advance_em: float = 0.8
-    gather_weight: float = 0.0  # >0: key-gather head losses in this phase (RetrievalHead targets qsrc, nsrc)
+    min_len: int = option(48, ge=1)
+    max_len: int = option(160, ge=1)
+    tokens_per_step: int = option(4096, ge=1)
+    min_steps: int = option(0, ge=0)
+    max_steps: int = option(1_000_000, ge=0)
+    advance_em: float = option(0.8, ge=0, le=1)
+    gather_weight: float = option(
+        0.0, ge=0
+    )  # >0: key-gather head losses in this phase (RetrievalHead targets qsrc, nsrc)
     # Task weights; empty means FULL_MIX. (A non-empty default would be merged with, not replaced by, a YAML mix.)
-    mix: dict[str, float] = field(default_factory=dict)
+    mix: dict[str, float] = option(factory=dict, check=_task_weights_ok)
+
+    def check(self, prefix: str = "") -> None:
+        if self.max_len < self.min_len:
+            raise ConfigError(f"{prefix}max_len ({self.max_len}) must be >= {prefix}min_len ({self.min_len})")
+
+
+def _not_ruler_seed(seed: int) -> str | None:
+    return "another seed than 42 (RULER's evaluation seed)" if seed == 42 else None
 
 
 @dataclass
 class ProxyTrainConfig:
-    """Everything a run depends on; ``configs/proxy/default.yaml`` overrides these defaults."""
+    """Everything a run depends on; ``configs/proxy/default.yaml`` overrides these defaults.
 
-    mode: str = "train"  # train | export
-    out_dir: str = "runs/proxy"
-    export_dir: str = "checkpoints/proxy-lm"
-    seed: int = 1234  # model init and loss-position sampling
-    data_seed: int = 20261129  # training sequences (never 42, RULER's evaluation seed)
-    probe_seed: int = 777  # fixed probe prompts for the periodic evaluation
-    base_vocab: int = 4096  # BPE size before the key-word merges
+    Args:
+        out_dir: run folder (resumable checkpoints, ``log.jsonl``).
+        export_dir: where ``mode=export`` writes the Hugging Face folder.
+        phases: the length curriculum, one :class:`Phase` after the other.
+        total_steps: optimizer steps in all phases.
+        lr: peak learning rate (warmup-stable-decay schedule).
+        min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+        decay_fraction: share of ``total_steps`` over which the rate decays linearly at the end.
+        warmup_steps: linear warm-up steps.
+        weight_decay / betas / grad_clip: AdamW weight decay and betas, gradient-norm clip.
+        answer_weight: weight of the answer tokens' loss against the LM loss.
+        attn_layer / attn_head: the head trained by the retrieval-head loss (``attn_weight``).
+        gather_heads: the two key-gather heads of ``gather_layer`` (question side, needle side).
+        advance_tasks: tasks whose running exact match advances the curriculum.
+        threads: torch threads.
+        bf16: bf16 autocast (CPU and CUDA).
+        ckpt_every_s: seconds between resumable checkpoints.
+        log_every: steps between ``log.jsonl`` lines.
+        probe_every: steps between probe evaluations (exact match on fixed prompts).
+        probe_tasks / probe_lengths / probe_n: the probe's tasks, context lengths and prompts per (task, length).
+    """
+
+    mode: str = option("train", choices=("train", "export"))  # train | export
+    out_dir: str = option("runs/proxy", check=folder)
+    export_dir: str = option("checkpoints/proxy-lm", check=folder)
+    seed: int = option(1234, ge=0)  # model init and loss-position sampling
+    data_seed: int = option(
+        20261129, ge=0, check=_not_ruler_seed
+    )  # training sequences (never 42, RULER's evaluation seed)
+    probe_seed: int = option(777, ge=0, check=_not_ruler_seed)  # fixed probe prompts for the periodic evaluation
+    base_vocab: int = option(4096, ge=1)  # BPE size before the key-word merges
     key_word_tokens: bool = True  # False: plain BPE of base_vocab tokens (feasibility recipe), keys split into pieces
     uuid_chars: bool = False  # one token per UUID character (core_kv.proxy.tokenizer)
-    key_sentences: int | None = None  # needle sentences in the BPE corpus; None = one per noun
+    key_sentences: int | None = option(None, ge=0)  # needle sentences in the BPE corpus; None = one per noun
     model: ProxyModelConfig = field(default_factory=ProxyModelConfig)
-    phases: list[Phase] = field(default_factory=lambda: [Phase()])
-    total_steps: int = 3000
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    decay_fraction: float = 0.2
-    warmup_steps: int = 40
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
-    answer_weight: float = 3.0
-    extra_questions: int = 2  # at most this many extra questions on a needle haystack's distractor lines
-    attn_weight: float = 0.0  # >0: retrieval-head loss on head attn_head of layer attn_layer (RetrievalHead)
-    attn_layer: int = -1
-    attn_head: int = 0
-    gather_layer: int = 1  # key-gather heads (Phase.gather_weight): question side, needle side
-    gather_heads: list[int] = field(default_factory=lambda: [0, 1])
-    lm_fraction: float = 0.25  # share of LM-loss positions scored per step (the vocabulary-wide head is costly)
-    micro_batch_tokens: int = 2048  # padded tokens per forward pass (length-bucketed; at least 2 x the max_len)
-    advance_tasks: list[str] = field(
-        default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "mk_noise"]
+    phases: list[Phase] = option(factory=lambda: [Phase()], check=non_empty)
+    total_steps: int = option(3000, ge=0)
+    lr: float = option(2e-3, gt=0)
+    min_lr_ratio: float = option(0.1, ge=0, le=1)
+    decay_fraction: float = option(0.2, ge=0, le=1)
+    warmup_steps: int = option(40, ge=0)
+    weight_decay: float = option(0.1, ge=0)
+    betas: list[float] = option(
+        factory=lambda: [0.9, 0.95], ge=0, lt=1, check=lambda b: None if len(b) == 2 else "two numbers [beta1, beta2]"
     )
-    em_window: int = 40  # steps in the running exact match that drives phase advance
-    threads: int = 2
+    grad_clip: float = option(1.0, ge=0)
+    answer_weight: float = option(3.0, ge=0)
+    extra_questions: int = option(2, ge=0)  # at most this many extra questions on a needle haystack's distractor lines
+    attn_weight: float = option(
+        0.0, ge=0
+    )  # >0: retrieval-head loss on head attn_head of layer attn_layer (RetrievalHead)
+    attn_layer: int = -1
+    attn_head: int = option(0, ge=0)
+    gather_layer: int = 1  # key-gather heads (Phase.gather_weight): question side, needle side
+    gather_heads: list[int] = option(
+        factory=lambda: [0, 1], ge=0, check=lambda h: None if len(h) == 2 else "two heads [question side, needle side]"
+    )
+    lm_fraction: float = option(
+        0.25, gt=0, le=1
+    )  # share of LM-loss positions scored per step (the vocabulary-wide head is costly)
+    micro_batch_tokens: int = option(
+        2048, ge=1
+    )  # padded tokens per forward pass (length-bucketed; at least 2 x the max_len)
+    advance_tasks: list[str] = option(
+        factory=lambda: ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "mk_noise"],
+        check=_tasks_ok,
+    )
+    em_window: int = option(40, ge=1)  # steps in the running exact match that drives phase advance
+    threads: int = option(2, ge=0)
     device: str = "cpu"  # or "cuda" (bf16 autocast there too)
     bf16: bool = True
-    ckpt_every_s: float = 240.0
-    log_every: int = 10
-    probe_every: int = 200
-    probe_tasks: list[str] = field(
-        default_factory=lambda: ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2"]
+    ckpt_every_s: float = option(240.0, gt=0)
+    log_every: int = option(10, ge=1)
+    probe_every: int = option(200, ge=1)
+    probe_tasks: list[str] = option(
+        factory=lambda: ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2"], check=_tasks_ok
     )
-    probe_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    probe_n: int = 10
-    max_wall_s: float = 0.0  # >0: stop (and checkpoint) after this much wall time in this process
+    probe_lengths: list[int] = option(factory=lambda: [1024, 2048, 4096], ge=1)
+    probe_n: int = option(10, ge=1)
+    max_wall_s: float = option(0.0, ge=0)  # >0: stop (and checkpoint) after this much wall time in this process
     init_from: str = ""  # exported proxy folder to warm-start from (weights + tokenizer; fresh optimizer and steps)
-    export_dtype: str = "float32"  # storage dtype of the exported weights (float32 | bfloat16); always loads as fp32
+    export_dtype: str = option(
+        "float32", choices=("float32", "bfloat16")
+    )  # storage dtype of the exported weights (float32 | bfloat16); always loads as fp32
 
     def __post_init__(self) -> None:
-        if self.data_seed == 42 or self.probe_seed == 42:
-            raise ValueError("seed 42 is RULER's evaluation seed; use another one for training data and probes")
-        if self.mode not in ("train", "export"):
-            raise ValueError(f"mode must be train or export, got {self.mode!r}")
-        if not self.phases:
-            raise ValueError("at least one phase is needed")
-        if self.export_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"export_dtype must be float32 or bfloat16, got {self.export_dtype!r}")
+        check_on_init(self)
 
 
 # ---- tokenizer and model ---------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core_kv.features import FEATURE_SPEC_VERSION, FEATURE_SPECS, spec_differences
-from core_kv.files import atomic_write
+from core_kv.files import atomic_write, read_json
 from core_kv.geometry import FingerprintMismatch, check_fingerprint
 
 FORMAT = "core_kv.teacher/1"
@@ -112,7 +112,10 @@ class ShardWriter:
 
 
 def _read_shard(path: Path) -> Iterator[TeacherRecord]:
-    t = load_file(str(path))
+    try:
+        t = load_file(str(path))
+    except Exception as e:  # safetensors' errors (a truncated shard) name no path
+        raise ValueError(f"{path}: unreadable teacher shard ({type(e).__name__}: {e}); regenerate the dataset") from e
     for (doc, event, layer, _n, off, length), budgets in zip(t["records"].tolist(), t["budgets"], strict=True):
         sl = slice(off, off + length)
         yield TeacherRecord(
@@ -142,8 +145,10 @@ class TeacherDataset:
         mpath = self.path / MANIFEST
         if not mpath.is_file():
             raise FileNotFoundError(f"{mpath} not found: the teacher run is missing or did not finish")
-        self.manifest = json.loads(mpath.read_text())
+        self.manifest = read_json(mpath, "teacher manifest")
         m = self.manifest
+        if not isinstance(m, dict) or not {"format", "feature_spec", "teacher", "fingerprint", "shards"} <= set(m):
+            raise TeacherDatasetMismatch(f"{mpath}: not a complete teacher manifest; regenerate the dataset")
         hint = "regenerate it with `python -m core_kv.teacher --config ...`"
         if m.get("format") != FORMAT:
             raise TeacherDatasetMismatch(f"{self.path}: format {m.get('format')!r}, this code reads {FORMAT!r}; {hint}")

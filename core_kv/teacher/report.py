@@ -79,7 +79,10 @@ def format_report(cfg: TeacherConfig, m: dict, model_name: str) -> str:
         for tag, rows in m["table7"].items():
             for name, v in sorted(rows.items(), key=lambda kv: ("utility", "teacher", "greedy").index(kv[0])):
                 lines.append(f"  {tag:>4} {name:>8}  U_B {v['U_B']:.4f}  C_B {v['C_B']:.4f}  J_B {v['J_B']:.4f}")
-        lines.append(f"TV(p*, pi_U): median {m['tv_pstar_piu']['median']:.4f}")
+        lines.append(
+            f"TV(p*, pi_U): median {m['tv_pstar_piu']['median']:.4f}  (total variation between the teacher's "
+            "allocation and the utility alone: how far coverage moved it)"
+        )
     th = m["throughput"]
     lines.append(
         f"Throughput: {th['tokens']} tokens, {th['tokens_per_s']:.1f} tok/s, {th['tokens_per_s_per_layer']:.1f} "

@@ -44,8 +44,9 @@ from core_kv.features import (
     observation_attention,
     spec,
 )
-from core_kv.files import atomic_write, atomic_write_json, atomic_write_text
-from core_kv.geometry import Geometry, model_fingerprint
+from core_kv.files import atomic_write, atomic_write_json, atomic_write_text, read_json
+from core_kv.geometry import Geometry, check_fingerprint, model_fingerprint
+from core_kv.lock import main_process_lock
 from core_kv.models.attention import (
     attention_inputs,
     attention_modules,
@@ -246,21 +247,44 @@ def _layer_hook(cfg, doc, geometry, rec, writer, skip=()):
 
 
 def run_teacher(cfg: TeacherConfig) -> dict:
-    """Run the teacher over ``cfg.data`` and write the dataset to ``cfg.out_dir``; returns the metrics dict."""
+    """Run the teacher over ``cfg.data`` and write the dataset to ``cfg.out_dir``; returns the metrics dict.
+
+    A finished dataset already in ``out_dir`` is never replaced unasked: one of this config and base model is kept
+    (the run says so and returns its metrics), one of another config or model is refused unless ``cfg.overwrite``.
+    The folder is locked while the run writes it (:mod:`core_kv.lock`): a second run into it is refused.
+    """
     from accelerate import PartialState
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     state = PartialState(cpu=not torch.cuda.is_available())
+    with main_process_lock(cfg.out_dir, "teacher run", state):
+        return _run_teacher(cfg, state)
+
+
+def _run_teacher(cfg: TeacherConfig, state) -> dict:
     rank, world, device = state.process_index, state.num_processes, state.device
     t_start = time.perf_counter()
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if rank == 0 and (out / MANIFEST).exists():
-        (out / MANIFEST).unlink()  # the manifest marks completion; a rerun invalidates it first
+    finished = read_manifest(out)
+    if finished is not None and not cfg.overwrite and not same_teacher_config(cfg, out, finished):
+        raise ValueError(
+            f"{out} holds a finished teacher dataset of another config (compare its config.yaml), which a run never "
+            f"replaces unasked: pass out_dir=<another folder> to build this one beside it, or overwrite=true to "
+            f"replace it"
+        )
     model, tok = load_model(cfg.model, device)
     dims = model_dims(model)
     fp = model_fingerprint(model)
+    if finished is not None and not cfg.overwrite:
+        check_fingerprint(finished.get("fingerprint", {}), fp, f"the finished teacher dataset in {out} (overwrite=true "
+                          "replaces it)")  # fmt: skip
+        if state.is_main_process:
+            print(f"teacher data: {out} is finished for this config and base model: kept (overwrite=true rebuilds it)")
+        return read_json(out / finished.get("metrics", "metrics.json"), "teacher metrics")
+    if rank == 0 and (out / MANIFEST).exists():
+        (out / MANIFEST).unlink()  # overwrite=true: the manifest marks completion; the rebuild invalidates it first
+    state.wait_for_everyone()
 
     geo_path = Path(cfg.geometry_path) if cfg.geometry_path else out / "geometry.safetensors"
     calibration = {
@@ -273,7 +297,10 @@ def run_teacher(cfg: TeacherConfig) -> dict:
         if geo_path.is_file():
             try:
                 geometry = Geometry.load(geo_path, fp)
-            except ValueError:  # another model: refit
+            except ValueError as e:  # another model (or unreadable): refit ours; a given geometry_path is not replaced
+                if cfg.geometry_path:
+                    raise ValueError(f"geometry_path {geo_path} cannot be used for this model ({e}); a run never "
+                                     "replaces a given geometry: pass another geometry_path, or none") from None  # fmt: skip
                 geometry = None
             if geometry is not None and not cfg.geometry_path and geometry.calibration != calibration:
                 geometry = None  # fitted under other calibration settings: refit
@@ -320,6 +347,49 @@ def run_teacher(cfg: TeacherConfig) -> dict:
     return metrics
 
 
+# options that do not change the data: left out of the config hash and of the "same config" test
+NOT_HASHED = ("out_dir", "progress", "threads", "metrics", "metrics_docs", "overwrite")
+
+
+def hashed_config(resolved: dict) -> dict:
+    """The resolved config without :data:`NOT_HASHED` (the manifest's ``config_hash`` is of this)."""
+    hashed = {k: v for k, v in resolved.items() if k not in NOT_HASHED}
+    if hashed.get("features") == 1:  # added after datasets were built: v1 runs keep their hash
+        hashed.pop("features")
+    return hashed
+
+
+def read_manifest(out: Path) -> dict | None:
+    """The manifest of a finished dataset in ``out`` (``None``: none); an unreadable one raises naming it."""
+    path = out / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = read_json(path, "teacher manifest")
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path}: not a teacher manifest (a JSON object); delete {out} or pass overwrite=true")
+    return manifest
+
+
+def same_teacher_config(cfg: TeacherConfig, out: Path, manifest: dict) -> bool:
+    """Whether the finished dataset in ``out`` was built with ``cfg``'s data-relevant options: the same config hash,
+    or the same ``config.yaml`` once options it predates are dropped where they hold their defaults."""
+    from omegaconf import OmegaConf
+
+    current = hashed_config(to_dict(cfg))
+    if manifest.get("config_hash") == config_hash(current):
+        return True
+    try:
+        stored = OmegaConf.to_container(OmegaConf.load(out / "config.yaml"))
+    except Exception:  # absent or unreadable: not provably the same
+        return False
+    if not isinstance(stored, dict):
+        return False
+    stored, defaults = hashed_config(stored), hashed_config(to_dict(TeacherConfig(out_dir=cfg.out_dir)))
+    for key in [k for k in current if k not in stored and current[k] == defaults.get(k)]:
+        del current[key]
+    return stored == current
+
+
 def merge(cfg: TeacherConfig, out: Path, world: int, dims: dict, fp: dict, t_start: float) -> dict:
     """Rank 0: combine the per-process parts into feature stats, metrics and the manifest (written last)."""
     parts = [json.loads((out / "parts" / f"rank{r:03d}.json").read_text()) for r in range(world)]
@@ -348,11 +418,7 @@ def merge(cfg: TeacherConfig, out: Path, world: int, dims: dict, fp: dict, t_sta
 
     resolved = to_dict(cfg)
     atomic_write_text(out / "config.yaml", OmegaConf.to_yaml(resolved))
-    hashed = {
-        k: v for k, v in resolved.items() if k not in ("out_dir", "progress", "threads", "metrics", "metrics_docs")
-    }
-    if hashed.get("features") == 1:  # added after datasets were built: v1 runs keep their hash
-        hashed.pop("features")
+    hashed = hashed_config(resolved)
     shards = sorted((s for p in parts for s in p["shards"]), key=lambda s: s["file"])
     manifest = {
         "format": FORMAT,
