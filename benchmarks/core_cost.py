@@ -84,8 +84,9 @@ def bench_model(model: str | None, shape: str, layers: int | None):
     return build_model(bench_shape(shape, layers))
 
 
-def build_artifact(model, folder: Path) -> Path:
-    """An untrained CORE artifact for ``model``: geometry fitted to its keys on random tokens, default MLPs."""
+def build_artifact(model, folder: Path, feature_spec: int = 1) -> Path:
+    """An untrained CORE artifact for ``model``: geometry fitted to its keys on random tokens, default MLPs, features
+    of spec ``feature_spec`` (cost depends on the spec: v2 adds the O(N²) twin counts)."""
     from core_kv.core_model import CoreConfig, CoreModel
     from core_kv.distill.replay import capture
     from core_kv.geometry import model_fingerprint
@@ -95,7 +96,9 @@ def build_artifact(model, folder: Path) -> Path:
     acts = capture(model, ids)
     d = acts[0].k_pre.shape[-1]
     geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(model), d_z=min(64, d), num_prototypes=64)
-    core = CoreModel(CoreConfig.for_model(model, geo))
+    from core_kv.features import spec
+
+    core = CoreModel(CoreConfig.for_model(model, geo, feature_spec=spec(feature_spec)))
     core.set_geometry(geo)
     core.save_pretrained(folder)
     return folder
@@ -149,7 +152,12 @@ def measure(model, methods: dict, n: int, chunk: int | None, repeats: int) -> di
             if r:
                 times[m]["prefill"].append(t_pre)
                 times[m]["decode"].append(t_dec / (question.shape[1] + DECODE_STEPS - 1))
-            info[m] = {"kv_bytes": kv_bytes(cache)["total"], "aux_bytes": press.aux_bytes() if press else 0}
+            acc = kv_bytes(cache)
+            info[m] = {
+                "kv_bytes": acc["total"],
+                "kv_payload": acc["payload"],
+                "aux_bytes": press.aux_bytes() if press else 0,
+            }
     return {m: {k: statistics.median(v) for k, v in times[m].items()} | info[m] for m in names}
 
 

@@ -1,34 +1,49 @@
-"""Where CORE's online time goes: prefill and decode CPU time per component and per layer (issue 19).
+"""Where CORE's online time goes: prefill and decode CPU time per component (issues 19, 48).
 
-Runs one context through no compression and through CORE (one-shot or chunked prefill, then the question and
-``--steps`` greedy tokens, as ``benchmarks/core_cost.py``) and times every CORE component by wrapping it (no
-instrumentation in the library, so production pays nothing):
+Runs one context through no compression and through CORE (one-shot or chunked prefill, then ``--steps``
+single-token decode steps on the compressed cache) and times every component by wrapping the functions in
+:data:`TARGETS` for the duration of the run (no instrumentation in the library, so production pays nothing). A
+target that does not exist raises before anything runs, naming it: the table follows the code, it never silently
+skips a component. A target the configuration does not call (e.g. head pooling under uniform budgets) is reported
+as not called.
 
-| component   | what                                                                              |
-|-------------|-----------------------------------------------------------------------------------|
-| q_hook      | pre-/post-RoPE queries from ``q_proj`` and the observation window                 |
-| hooks       | the attention pre/post hooks' bookkeeping (positions, persistence, budget)       |
-| unrope      | pre-RoPE keys of the candidates at an event                                       |
-| features    | the 14 features (observation attention, geometry, leverage, ...)                  |
-| indexer     | indexer MLP scores + the calibrated distribution                                  |
-| topb        | protected set + Top-B                                                             |
-| write       | the memory write (φ⁺ of evicted keys, M, b, Z, ...)                               |
-| evict       | the rest of the event and the cache gather                                        |
-| readout_lse | log-partition of the queries over the retained cache                              |
-| readout_mem | φ⁺(q), m(q), the gate and ô (``_compensate``)                                     |
-| readout     | the rest of the readout hook (layouts, post-RoPE queries when lse_R is computed)  |
+| component            | what                                                                          |
+|----------------------|-------------------------------------------------------------------------------|
+| q_hook, hooks        | queries from ``q_proj``; the attention pre/post hooks' bookkeeping               |
+| unrope               | pre-RoPE keys of the candidates at an event                                    |
+| feat_obs_attention   | the window queries' attention over the candidates                              |
+| feat_geometry        | projected keys and Nyström coverage features (``Geometry.project/nystrom``)     |
+| feat_novelty         | ridge leverage under uniform p                                                 |
+| feat_twin_rarity     | spec v2's nonlocal twin counts                                                  |
+| feat_key_distinct    | spec v2's KeyDiff score                                                         |
+| feat_persistence     | the EMA across events                                                          |
+| feat_other           | the rest of ``compute_features`` (norms, ages, prototype fit/entropy, ...)      |
+| indexer              | indexer MLP scores + the calibrated distribution                               |
+| selection            | protected set + Top-B                                                          |
+| head_pooling         | AdaKV's head-wise allocation (``head_budgets="adaptive"``)                      |
+| repair               | TwinKV's repair pass (``repair=True``)                                          |
+| memory_write         | write weights + the memory write                                               |
+| event                | the rest of an eviction event (ε̂, gathers, bookkeeping)                        |
+| evict                | the physical eviction (gather into the new cache / ragged layer)               |
+| readout_lse, readout_memory, readout | the readout: log-partition over the retained cache, m(q) and the gate, the rest |
+| attention            | the model's attention on rectangular layers (the base implementation)          |
+| ragged_attention     | attention on ragged layers (head-wise budgets)                                 |
 
 Times are self times (a component's children are subtracted), CPU seconds, one thread. ``overhead`` = CORE's
-total minus no compression's; what the components do not explain is the cost of the smaller cache's attention
-(negative) and unhooked work. Usage::
+total minus no compression's; what the components do not explain is the rest of the model (projections, MLPs,
+norms), which the smaller cache does not change. ``--press-option NAME.OPTION=VALUE`` profiles CORE variants
+(``NAME`` alone, e.g. ``pool.head_budgets=adaptive pool.head_pool=output pool.memory=false``) beside the
+artifact's defaults. Usage::
 
-    .venv/bin/python benchmarks/core_profile.py --shape smollm2-135m --length 2048
-    .venv/bin/python benchmarks/core_profile.py --model <folder> --checkpoint <artifact> --length 2048 --chunk 512
+    .venv/bin/python -m benchmarks.core_profile --model smollm2-135m --checkpoint checkpoints/core-smollm2/final \\
+        --lengths 2048 4096 8192
+    .venv/bin/python -m benchmarks.core_profile --shape llama-3.1-8b --layers 2 --lengths 2048 4096
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 import json
 import tempfile
@@ -40,35 +55,88 @@ from pathlib import Path
 import torch
 
 from benchmarks.core_cost import SHAPES, bench_model, build_artifact
+from core_kv.eval.press_labels import parse_press_options
 
-COMPONENTS = (
-    "q_hook", "hooks", "unrope", "features", "indexer", "topb", "write", "evict", "readout_lse", "readout_mem", "readout",
-)  # fmt: skip
+SCORER = "core_kv.presses.core_scorer.CoreScorerPress"
+MEMORY = "core_kv.presses.latent_memory.LatentMemoryPress"
+BASE = "core_kv.presses.base.BasePress"
+INDEXER = "indexer"  # the press's indexer instance
+ATTENTION = "attention"  # the base attention implementation registered with transformers
+TARGETS = (  # (owner, attribute, component): the pieces of the composed press (core_kv/presses/core.py)
+    (SCORER, "_q_hook", "q_hook"),
+    (MEMORY, "_q_hook", "q_hook"),
+    (BASE, "_pre_hook", "hooks"),
+    (BASE, "_post_hook", "hooks"),
+    (SCORER, "before_forward", "hooks"),
+    (SCORER, "after_forward", "hooks"),
+    (MEMORY, "before_forward", "hooks"),
+    (MEMORY, "after_forward", "hooks"),
+    (SCORER, "score", "event"),
+    (SCORER, "evicted", "event"),
+    (BASE, "_apply", "evict"),
+    (SCORER, "unrope", "unrope"),
+    (SCORER, "_features", "feat_other"),
+    ("core_kv.presses.core_scorer", "observation_attention", "feat_obs_attention"),
+    ("core_kv.presses.core_scorer", "compute_features", "feat_other"),
+    ("core_kv.features", "twin_rarity", "feat_twin_rarity"),
+    ("core_kv.features", "key_distinctiveness", "feat_key_distinct"),
+    ("core_kv.features", "leverage", "feat_novelty"),
+    ("core_kv.features", "normalised_beta_b", "feat_novelty"),
+    ("core_kv.features", "update_persistence", "feat_persistence"),
+    ("core_kv.geometry.Geometry", "project", "feat_geometry"),
+    ("core_kv.geometry.Geometry", "nystrom", "feat_geometry"),
+    (INDEXER, "scores", "indexer"),
+    (INDEXER, "distribution", "indexer"),
+    ("core_kv.presses.base.ScorerPress", "compress", "selection"),
+    ("core_kv.presses.base.ScorerPress", "select", "selection"),
+    ("core_kv.presses.adakv.AdaKVPress", "score", "head_pooling"),
+    ("core_kv.presses.adakv.AdaKVPress", "select", "head_pooling"),
+    ("core_kv.presses.adakv", "adaptive_keep", "head_pooling"),
+    ("core_kv.presses.twin_repair.TwinRepairPress", "compress", "repair"),
+    (MEMORY, "evicted", "memory_write"),
+    (MEMORY, "write", "memory_write"),
+    (MEMORY, "write_weights", "memory_write"),
+    ("core_kv.presses.latent_memory", "write_fused", "memory_write"),
+    (MEMORY, "readout", "readout"),
+    (MEMORY, "retained_lse", "readout_lse"),
+    (MEMORY, "compensate", "readout_memory"),
+    ("core_kv.presses.latent_memory", "compensate_fused", "readout_memory"),
+    ("core_kv.models.attention", "ragged_sdpa", "ragged_attention"),
+    ("core_kv.models.attention", "_attention_with_lse", "attention"),  # decode steps that hand CORE their lse
+    (ATTENTION, "sdpa", "attention"),
+)
+
+
+def resolve(owner: str, press):
+    """The object a target's ``owner`` names (a module, a class, the press's indexer, the attention registry)."""
+    if owner == INDEXER:
+        return press.core.indexer
+    if owner == ATTENTION:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS
+    try:
+        return importlib.import_module(owner)
+    except ModuleNotFoundError:
+        module, _, cls = owner.rpartition(".")
+        return getattr(importlib.import_module(module), cls)
 
 
 class Profiler:
-    """Self CPU time per (phase, component, layer) of wrapped callables."""
+    """Self CPU time per (phase, component) of wrapped callables."""
 
     def __init__(self):
         self.phase = "prefill"
-        self.layer = -1
-        self.totals = defaultdict(float)  # (phase, component, layer) -> seconds
+        self.totals = defaultdict(float)  # (phase, component) -> seconds
         self.calls = defaultdict(int)
         self._stack: list[list[float]] = []  # [start, child time]
         self._undo = []
 
-    def wrap(self, owner, attr: str, component: str, layer_of=None) -> None:
-        """Time ``owner.attr`` as ``component``; ``layer_of(args)`` names the layer (else the enclosing one)."""
-        if not hasattr(owner, attr):
-            return
-        fn = getattr(owner, attr)
+    def _timed(self, fn, component: str):
         prof = self
 
         @wraps(fn)
         def timed(*args, **kwargs):
-            outer = prof.layer
-            if layer_of is not None:
-                prof.layer = layer_of(args)
             frame = [time.process_time(), 0.0]
             prof._stack.append(frame)
             try:
@@ -78,64 +146,50 @@ class Profiler:
                 prof._stack.pop()
                 if prof._stack:
                     prof._stack[-1][1] += spent
-                key = (prof.phase, component, prof.layer)
-                prof.totals[key] += spent - frame[1]
-                prof.calls[key] += 1
-                prof.layer = outer
+                prof.totals[prof.phase, component] += spent - frame[1]
+                prof.calls[prof.phase, component] += 1
 
-        static = isinstance(inspect.getattr_static(owner, attr), staticmethod)
-        setattr(owner, attr, staticmethod(timed) if static else timed)
-        self._undo.append((owner, attr, staticmethod(fn) if static else fn))
+        return timed
+
+    def wrap(self, owner, attr: str, component: str, name: str) -> None:
+        """Time ``owner.attr`` as ``component``; raises naming ``name`` when it does not exist."""
+        if owner.__class__.__name__ == "AttentionInterface":  # transformers' registry of attention functions
+            if attr not in owner.valid_keys():
+                raise SystemExit(f"core_profile: attention implementation {name} is not registered")
+            fn = owner._global_mapping[attr]
+            owner._global_mapping[attr] = self._timed(fn, component)
+            self._undo.append(lambda: owner._global_mapping.__setitem__(attr, fn))
+            return
+        try:
+            static = inspect.getattr_static(owner, attr)
+        except AttributeError:
+            raise SystemExit(
+                f"core_profile: target {name} does not exist (renamed or refactored?); update TARGETS in "
+                f"{Path(__file__).name}"
+            ) from None
+        fn = getattr(owner, attr)
+        is_static = isinstance(static, staticmethod)
+        inherited = isinstance(owner, type) and attr not in vars(owner)
+        setattr(owner, attr, staticmethod(self._timed(fn, component)) if is_static else self._timed(fn, component))
+        if inherited:  # wrapped on the subclass: removing it uncovers the base class's again
+            self._undo.append(lambda: delattr(owner, attr))
+        else:
+            self._undo.append(lambda: setattr(owner, attr, staticmethod(fn) if is_static else fn))
+
+    def instrument(self, press) -> None:
+        for owner, attr, component in TARGETS:
+            self.wrap(resolve(owner, press), attr, component, f"{owner}.{attr}")
 
     def unwrap(self) -> None:
-        for owner, attr, fn in reversed(self._undo):
-            setattr(owner, attr, fn)
+        for undo in reversed(self._undo):
+            undo()
         self._undo.clear()
 
     def by_component(self, phase: str) -> dict:
-        out = defaultdict(float)
-        for (ph, comp, _), t in self.totals.items():
-            if ph == phase:
-                out[comp] += t
-        return dict(out)
-
-    def by_layer(self, phase: str) -> dict:
-        out = defaultdict(lambda: defaultdict(float))
-        for (ph, comp, layer), t in self.totals.items():
-            if ph == phase:
-                out[layer][comp] += t
-        return {k: dict(v) for k, v in sorted(out.items())}
+        return {c: t for (ph, c), t in self.totals.items() if ph == phase}
 
 
-def instrument(prof: Profiler, press) -> None:
-    """Wrap the press's components (whichever of them this version of the press has)."""
-    import core_kv.memory as memory
-    import core_kv.presses.core as core_mod
-
-    cls = type(press)
-    mod_layer = lambda a: a[1].layer_idx  # noqa: E731  (bound method on the class: args = (self, module, ...))
-    prof.wrap(cls, "_q_hook", "q_hook", mod_layer)
-    prof.wrap(cls, "_pre_hook", "hooks", mod_layer)
-    prof.wrap(cls, "_post_hook", "hooks", mod_layer)
-    prof.wrap(cls, "_event", "evict")
-    prof.wrap(cls, "_apply", "evict")
-    prof.wrap(cls, "unrope", "unrope")
-    prof.wrap(cls, "_features", "features")
-    prof.wrap(cls, "_scores", "indexer")
-    prof.wrap(press.core.indexer, "scores", "indexer")
-    prof.wrap(press.core.indexer, "distribution", "indexer")
-    prof.wrap(core_mod, "top_free", "topb")
-    prof.wrap(core_mod, "protected_mask", "topb")
-    prof.wrap(press.core.memory, "write", "write")
-    prof.wrap(cls, "_write", "write")
-    prof.wrap(cls, "_compensate", "readout_mem")
-    prof.wrap(core_mod, "memory_write", "write")
-    prof.wrap(cls, "readout", "readout", mod_layer)
-    prof.wrap(cls, "_retained_lse", "readout_lse")
-    del memory
-
-
-def run(model, press, ctx, question, steps: int, chunk: int | None, prof: Profiler | None) -> dict:
+def run(model, press, ctx, steps: int, chunk: int | None, prof: Profiler | None) -> dict:
     from core_kv.pipeline import greedy_answer, prefill
 
     n = ctx.shape[1]
@@ -147,81 +201,114 @@ def run(model, press, ctx, question, steps: int, chunk: int | None, prof: Profil
     if prof:
         prof.phase = "decode"
     t0 = time.process_time()
-    greedy_answer(model, cache, n, question, steps, press, eos_token_ids=[])
-    t_dec = time.process_time() - t0
-    return {"prefill": t_pre, "decode": t_dec, "decode_forwards": question.shape[1] + steps - 1}
+    greedy_answer(model, cache, n, torch.tensor([[7]]), steps, press, eos_token_ids=[])
+    return {"prefill": t_pre, "decode": (time.process_time() - t0) / steps}
 
 
-def report(prof: Profiler, base: dict, core: dict, layers: int) -> str:
+def components() -> list[str]:
+    return list(dict.fromkeys(c for _, _, c in TARGETS))
+
+
+def report(results: dict) -> str:
+    """One table per phase: rows = components, columns = (length, configuration)."""
+    cols = [(n, cfg) for n, per in results.items() for cfg in per]
     lines = []
-    for phase in ("prefill", "decode"):
-        comp = prof.by_component(phase)
-        over = core[phase] - base[phase]
-        per = 1e3 / (core["decode_forwards"] if phase == "decode" else 1)
-        unit = "ms/token" if phase == "decode" else "ms"
-        lines.append(
-            f"\n{phase}: none {base[phase] * per:.1f} {unit}, CORE {core[phase] * per:.1f} {unit} "
-            f"(×{core[phase] / base[phase]:.3f}; overhead {over * per:+.1f} {unit})"
-        )
-        lines.append(f"| component | {unit} | share of CORE time | per layer (mean) |")
-        lines.append("|---|---|---|---|")
-        for name in sorted(comp, key=comp.get, reverse=True):
+    for phase, unit, scale in (("prefill", "ms", 1e3), ("decode", "ms/token", 1e3)):
+        head = " | ".join(f"{n} {cfg}" for n, cfg in cols)
+        lines += [f"\n{phase} ({unit}, self time)", f"| component | {head} |", "|---" * (len(cols) + 1) + "|"]
+        for name, key in (("no compression", "none"), ("CORE", "core")):
             lines.append(
-                f"| {name} | {comp[name] * per:.2f} | {100 * comp[name] / core[phase]:.1f}% | "
-                f"{comp[name] * per / layers:.3f} |"
+                f"| {name} | " + " | ".join(f"{scale * results[n][c][key][phase]:.1f}" for n, c in cols) + " |"
             )
-        lines.append(f"| all components | {sum(comp.values()) * per:.2f} | "
-                     f"{100 * sum(comp.values()) / core[phase]:.1f}% | |")  # fmt: skip
-        per_layer = prof.by_layer(phase)
-        names = [c for c in COMPONENTS if c in comp]
-        lines.append(f"\n{phase} per layer ({unit}): | layer | " + " | ".join(names) + " | total |")
-        for layer, row in per_layer.items():
-            if layer < 0:
-                continue
-            cells = " | ".join(f"{row.get(c, 0.0) * per:.3f}" for c in names)
-            lines.append(f"| {layer} | {cells} | {sum(row.values()) * per:.3f} |")
+        lines.append(
+            "| CORE ÷ none | " + " | ".join(
+                f"{results[n][c]['core'][phase] / results[n][c]['none'][phase]:.3f}" for n, c in cols) + " |"
+        )  # fmt: skip
+        for comp in components():
+            cells = []
+            for n, c in cols:
+                r = results[n][c]
+                t, calls = r["components"][phase].get(comp), r["calls"][phase].get(comp, 0)
+                cells.append("not called" if not calls else f"{scale * t:.1f} ({100 * t / r['core'][phase]:.0f}%)")
+            lines.append(f"| {comp} | " + " | ".join(cells) + " |")
+        lines.append(
+            "| rest of the model | " + " | ".join(
+                f"{scale * (results[n][c]['core'][phase] - sum(results[n][c]['components'][phase].values())):.1f}"
+                for n, c in cols) + " |"
+        )  # fmt: skip
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
     ap.add_argument("--ratio", type=float, default=0.75)
     ap.add_argument("--chunk", type=int, default=None, help="chunked prefill (default: one-shot)")
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", default=None)
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    ap.add_argument(
+        "--feature-spec", type=int, default=2, help="feature spec of the untrained artifact (without --checkpoint)"
+    )
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument(
+        "--press-option",
+        action="append",
+        default=[],
+        metavar="NAME.OPTION=VALUE",
+        help="also profile CORE with these options (JSON values), as column NAME",
+    )
     ap.add_argument("--out", default=None, help="write the raw totals (JSON) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    variants = {"default": {}} | parse_press_options(args.press_option)
 
     from core_kv.presses import build_press
 
     model = bench_model(args.model, args.shape, args.layers)
-    n = args.length
-    ctx = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-    question = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core")
-        press = build_press("core", checkpoint=str(ckpt), compression_ratio=args.ratio)
-        run(model, press, ctx[:, :256], question, 2, args.chunk and min(args.chunk, 128), None)  # prime
-        base = run(model, None, ctx, question, args.steps, args.chunk, None)
-        prof = Profiler()
-        instrument(prof, press)
-        try:
-            core = run(model, press, ctx, question, args.steps, args.chunk, prof)
-        finally:
-            prof.unwrap()
-    layers = model.config.num_hidden_layers
-    print(f"[core_profile] {args.model or args.shape}, {n} tokens, ratio {args.ratio}, "
-          f"{'chunk ' + str(args.chunk) if args.chunk else 'one-shot'}, {args.threads} thread(s)")  # fmt: skip
-    print(report(prof, base, core, layers))
+        ckpt = (
+            Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core", args.feature_spec)
+        )
+
+        def press(opts):
+            return build_press("core", checkpoint=str(ckpt), compression_ratio=args.ratio, **opts)
+
+        check = Profiler()
+        check.instrument(press({}))  # every target exists (raises naming the first that does not)
+        check.unwrap()
+        ctx = torch.randint(3, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
+        run(model, press({}), ctx, 2, args.chunk and min(args.chunk, 128), None)  # prime
+        for n in args.lengths:
+            ctx = torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+            results[n] = {}
+            for name, opts in variants.items():
+                base = run(model, None, ctx, args.steps, args.chunk, None)
+                p = press(opts)
+                prof = Profiler()
+                prof.instrument(p)
+                try:
+                    core = run(model, p, ctx, args.steps, args.chunk, prof)
+                finally:
+                    prof.unwrap()
+                per_step = {"decode": args.steps, "prefill": 1}
+                results[n][name] = {
+                    "none": base, "core": core, "options": opts,
+                    "components": {ph: {c: t / per_step[ph] for c, t in prof.by_component(ph).items()}
+                                   for ph in per_step},
+                    "calls": {ph: {c: k for (p2, c), k in prof.calls.items() if p2 == ph} for ph in per_step},
+                }  # fmt: skip
+                print(f"[core_profile] {n} {name}: prefill ×{core['prefill'] / base['prefill']:.3f}, "
+                      f"decode ×{core['decode'] / base['decode']:.3f}", flush=True)  # fmt: skip
+    print(f"\n[core_profile] {args.model or args.shape}{f' ({args.layers} layers)' if args.layers else ''}, ratio "
+          f"{args.ratio}, {'chunk ' + str(args.chunk) if args.chunk else 'one-shot'}, {args.steps} decode steps, "
+          f"{args.threads} thread(s); configurations: {json.dumps(variants)}")  # fmt: skip
+    print(report(results))
     if args.out:
-        raw = {f"{ph}|{c}|{la}": t for (ph, c, la), t in prof.totals.items()}
-        Path(args.out).write_text(json.dumps({"none": base, "core": core, "totals": raw}, indent=1), encoding="utf-8")
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

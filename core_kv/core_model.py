@@ -17,14 +17,19 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from core_kv.features import FEATURE_SPECS, spec, spec_differences
+from core_kv.fast_memory import DECAY, GATE_HIDDEN, FastMemory
+from core_kv.features import FEATURE_SPECS, SHARED_SPECS, spec, spec_differences
+from core_kv.features_v3 import compute_features_v3, special_mask
 from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
 from core_kv.indexer import CoreIndexer
+from core_kv.key_geometry import KeyGeometry
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
 from core_kv.models.loading import looks_local
 from core_kv.policy import PAPER, InferencePolicy
 
 ARTIFACT_VERSION = 1
+MEMORY_KINDS = ("latent", "fast")
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class CoreConfig(PretrainedConfig):
@@ -43,6 +48,12 @@ class CoreConfig(PretrainedConfig):
         inference_policy: The composition to run per compression-ratio band, chosen by ``train.py``'s policy stage
             on its own validation prompts (:class:`~core_kv.policy.InferencePolicy` as a dict); ``None``: the paper's
             press.
+        memory_kind: ``latent`` (:mod:`core_kv.memory`, one state per KV head, the reconstruction of CORE.md) or
+            ``fast`` (:mod:`core_kv.fast_memory`, the authors' release: one state per layer, post-RoPE queries).
+        memory_gate_hidden, memory_decay: The fast memory's gate width and decay γ across events.
+        memory_dtype: Storage dtype of the memory's weights in ``model.safetensors`` (``float32``, ``float16``,
+            ``bfloat16``); they are computed in float32 after loading.
+        special_token_ids: Token ids the spec-v3 ``sink`` feature flags (the tokenizer's special tokens).
     """
 
     model_type = "core_kv"
@@ -65,10 +76,19 @@ class CoreConfig(PretrainedConfig):
         teacher: dict | None = None,
         inference_policy: dict | None = None,
         artifact_version: int = ARTIFACT_VERSION,
+        memory_kind: str = "latent",
+        memory_gate_hidden: int = GATE_HIDDEN,
+        memory_decay: float = DECAY,
+        memory_dtype: str = "float32",
+        special_token_ids: list[int] | None = None,
         **kwargs,
     ):
         if write_rule not in WRITE_RULES:
             raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {write_rule!r}")
+        if memory_kind not in MEMORY_KINDS:
+            raise ValueError(f"memory_kind must be one of {MEMORY_KINDS}, got {memory_kind!r}")
+        if memory_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"memory_dtype must be one of {sorted(STORAGE_DTYPES)}, got {memory_dtype!r}")
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = (
             num_layers,
             num_heads,
@@ -82,7 +102,15 @@ class CoreConfig(PretrainedConfig):
         self.teacher = teacher or {}
         self.inference_policy = inference_policy
         self.artifact_version = artifact_version
+        self.memory_kind, self.memory_gate_hidden, self.memory_decay = memory_kind, memory_gate_hidden, memory_decay
+        self.memory_dtype = memory_dtype
+        self.special_token_ids = list(special_token_ids or [])
         super().__init__(**kwargs)
+
+    @property
+    def shared_scores(self) -> bool:
+        """One score per token per layer, broadcast to the KV heads (feature spec v3) instead of one per KV head."""
+        return self.feature_spec.get("version") in SHARED_SPECS
 
     @classmethod
     def for_model(cls, model: nn.Module, geometry: Geometry, **kwargs) -> CoreConfig:
@@ -117,15 +145,82 @@ class CoreModel(CorePreTrainedModel):
     def __init__(self, config: CoreConfig):
         super().__init__(config)
         c = config
-        self.indexer = CoreIndexer(c.num_layers, c.num_kv_heads)
-        self.memory = LatentMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim)
+        self.indexer = CoreIndexer(c.num_layers, 1 if c.shared_scores else c.num_kv_heads)
+        if c.memory_kind == "fast":
+            self.memory = FastMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim,
+                                     c.memory_gate_hidden)  # fmt: skip
+        else:
+            self.memory = LatentMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim)
         m = c.num_prototypes
-        self.register_buffer("geo_mean", torch.zeros(c.num_layers, c.num_kv_heads, c.head_dim))
-        self.register_buffer("geo_proj", torch.zeros(c.num_layers, c.num_kv_heads, c.d_z, c.head_dim))
-        self.register_buffer("geo_prototypes", torch.zeros(c.num_layers, c.num_kv_heads, m, c.d_z))
-        self.register_buffer("geo_gamma", torch.ones(c.num_layers, c.num_kv_heads))
-        self.register_buffer("geo_kmm_inv_sqrt", torch.zeros(c.num_layers, c.num_kv_heads, m, m))
+        if c.shared_scores:  # the released fixed geometry (core_kv.key_geometry)
+            self.register_buffer("key_projection", torch.zeros(c.num_layers, c.d_z, c.num_kv_heads * c.head_dim))
+            self.register_buffer("key_prototypes", torch.zeros(m, c.d_z))
+            self.register_buffer("key_rotation", torch.zeros(c.d_z, c.d_z))
+        else:
+            self.register_buffer("geo_mean", torch.zeros(c.num_layers, c.num_kv_heads, c.head_dim))
+            self.register_buffer("geo_proj", torch.zeros(c.num_layers, c.num_kv_heads, c.d_z, c.head_dim))
+            self.register_buffer("geo_prototypes", torch.zeros(c.num_layers, c.num_kv_heads, m, c.d_z))
+            self.register_buffer("geo_gamma", torch.ones(c.num_layers, c.num_kv_heads))
+            self.register_buffer("geo_kmm_inv_sqrt", torch.zeros(c.num_layers, c.num_kv_heads, m, m))
         self.post_init()
+
+    @torch.no_grad()
+    def set_key_geometry(self, geometry: KeyGeometry) -> None:
+        """Store the released fixed key geometry (feature spec v3 artifacts)."""
+        for name, src in (("projection", geometry.projection), ("prototypes", geometry.prototypes),
+                          ("rotation", geometry.rotation)):  # fmt: skip
+            dst = getattr(self, f"key_{name}")
+            if src.shape != dst.shape:
+                raise ValueError(f"key geometry {name} {tuple(src.shape)} vs artifact {tuple(dst.shape)}")
+            dst.copy_(src)
+
+    def key_geometry(self) -> KeyGeometry:
+        """The released fixed key geometry stored in a spec-v3 artifact."""
+        return KeyGeometry(self.key_projection.detach(), self.key_prototypes.detach(), self.key_rotation.detach())
+
+    @torch.no_grad()
+    def released_scores(
+        self,
+        layer: int,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query_pos: torch.Tensor,
+        key_pos: torch.Tensor,
+        seq_len: int,
+        scaling: float,
+        phase: int = 0,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One score per candidate (N,) of a spec-v3 artifact at one event of ``layer``, shared by the KV heads.
+
+        Args:
+            queries: The event's post-RoPE queries (H, T, D) at ``query_pos`` (T,) (every prefill query; the last
+                decode interval's queries at a decode event).
+            keys, values: The cached post-RoPE keys and values (Hkv, N, D) at ``key_pos`` (N,).
+            seq_len: Tokens processed so far (the uncompressed length).
+            scaling: The attention module's score scale.
+            phase: 0 at a prefill event, 1 at a decode event.
+            token_ids: The candidates' token ids (N,), for the special-token flag (``None``: sinks only).
+        """
+        if not self.config.shared_scores:
+            raise ValueError("released_scores needs a feature spec v3 artifact (head-shared scores)")
+        special = special_mask(token_ids, self.config.special_token_ids)
+        feats, _, _ = compute_features_v3(queries, keys, values, query_pos, key_pos, seq_len, self.key_geometry(),
+                                          layer, scaling, phase, special)  # fmt: skip
+        return self.indexer.scores(layer, feats[None])[0]
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained`` with the memory's weights stored in ``config.memory_dtype``."""
+        dtype = STORAGE_DTYPES[self.config.memory_dtype]
+        if dtype == torch.float32:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        original = next(self.memory.parameters()).dtype
+        self.memory.to(dtype)
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.memory.to(original)
 
     # ---------------------------------------------------------------------------------------------------------
     # Geometry and statistics
@@ -193,6 +288,7 @@ class CoreModel(CorePreTrainedModel):
             )
         if base_model is not None:
             core.check_base_model(base_model)
+        core.memory.float()  # stored in config.memory_dtype, computed in float32
         return core.eval()
 
     def policy(self) -> InferencePolicy:

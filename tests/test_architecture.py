@@ -26,9 +26,9 @@ FLOORS: list[tuple[str, ...]] = [
         "core_kv.models",
     ),
     ("core_kv.proxy",),  # the proxy LM's tokenizer, data and trainer: the teacher makes its documents with them
-    ("core_kv.features",),
+    ("core_kv.features", "core_kv.features_v3", "core_kv.key_geometry"),
     ("core_kv.teacher",),
-    ("core_kv.memory", "core_kv.indexer", "core_kv.core_model", "core_kv.policy"),
+    ("core_kv.memory", "core_kv.fast_memory", "core_kv.indexer", "core_kv.core_model", "core_kv.policy"),
     ("core_kv.distill",),
     ("core_kv.presses", "core_kv.pipeline"),
     ("core_kv.eval",),
@@ -122,7 +122,8 @@ def test_no_import_cycles_at_module_level():
 # What inference loads (the artifact, the presses, the pipeline) never reaches into the offline stages: the teacher,
 # distillation and the proxy LM's trainer.
 INFERENCE = ("core_kv.presses", "core_kv.pipeline", "core_kv.core_model", "core_kv.indexer", "core_kv.memory",
-             "core_kv.geometry", "core_kv.features", "core_kv.budget")  # fmt: skip
+             "core_kv.fast_memory", "core_kv.geometry", "core_kv.key_geometry", "core_kv.features",
+             "core_kv.budget")  # fmt: skip
 OFFLINE = ("core_kv.teacher", "core_kv.distill", "core_kv.proxy")
 
 

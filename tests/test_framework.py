@@ -13,7 +13,7 @@ from conftest import tiny_model
 from core_kv.config import load_config, to_dict
 from core_kv.files import atomic_write_json, read_jsonl
 from core_kv.models.attention import UnsupportedModelError, decoder_layers, ragged_sdpa
-from core_kv.models.cache import RaggedKV, RaggedLayer, kv_bytes
+from core_kv.models.cache import RESERVE_TOKENS, RaggedKV, RaggedLayer, kv_bytes
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 
@@ -87,7 +87,10 @@ def test_ragged_attention_matches_masked_dense():
         keep[h, kept[h]] = True
         keep[h, past:] = True
     assert torch.allclose(ragged_sdpa(None, q, view), _naive_attention(q, k, v, keep), atol=1e-5)
-    assert layer.nbytes() == 2 * 4 * d * (len(kept[0]) + 11 + 2 * t)  # fp32, nothing padded
+    assert layer.payload_bytes() == 2 * 4 * d * (len(kept[0]) + 11 + 2 * t)  # fp32, the kept entries
+    # the append re-laid the pools out with RESERVE_TOKENS free rows per head left after it (K and V, fp32, 2 heads);
+    # nothing is padded to the longest head
+    assert layer.nbytes() == layer.payload_bytes() + 2 * 4 * d * 2 * RESERVE_TOKENS
     assert isinstance(view, RaggedKV)
 
 

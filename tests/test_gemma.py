@@ -41,7 +41,7 @@ from core_kv.models.attention import (
     ragged_sdpa,
     window_layers,
 )
-from core_kv.models.cache import HeadGroup, RaggedKV, cache_kwarg, cache_marks, crop_cache, kv_bytes, layer_lengths
+from core_kv.models.cache import RaggedLayer, cache_kwarg, cache_marks, crop_cache, kv_bytes, layer_lengths
 from core_kv.models.tiny import tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
@@ -143,17 +143,21 @@ def test_ragged_attention_applies_the_softcap():
     torch.manual_seed(0)
     module = attention_modules(gemma("gemma2"))[1]
     q = torch.randn(1, 4, 3, 16) * 3
-    lens = [9, 5]
-    keys = [torch.randn(1, 1, n, 16) * 3 for n in lens]
-    values = [torch.randn(1, 1, n, 16) for n in lens]
-    kv = RaggedKV([HeadGroup(torch.tensor([h]), keys[h], values[h]) for h in range(2)], num_heads=2)
-    out = ragged_sdpa(module, q, kv, scaling=24**-0.5, softcap=5.0)  # (1, T, H, D)
+    full_k, full_v = torch.randn(1, 2, 6, 16) * 3, torch.randn(1, 2, 6, 16)
+    kept = [torch.arange(6), torch.tensor([1, 4])]  # 6 and 2 kept, then 3 new tokens each: 9 and 5 keys
+    new_k, new_v = torch.randn(1, 2, 3, 16) * 3, torch.randn(1, 2, 3, 16)
+    kv, _ = RaggedLayer.from_kept(full_k, full_v, kept).update(new_k, new_v)
+    keys = [torch.cat([full_k[0, h, kept[h]], new_k[0, h]]) for h in range(2)]
+    values = [torch.cat([full_v[0, h, kept[h]], new_v[0, h]]) for h in range(2)]
+    out, lse = ragged_sdpa(module, q, kv, scaling=24**-0.5, softcap=5.0, return_lse=True)  # (1, T, H, D), (H, T)
     for head in range(4):
-        k, v = keys[head // 2][0, 0], values[head // 2][0, 0]
+        k, v = keys[head // 2], values[head // 2]
         logits = torch.tanh(q[0, head] @ k.T * 24**-0.5 / 5.0) * 5.0
         s = k.shape[0]
         visible = torch.arange(s)[None] <= (s - 3 + torch.arange(3))[:, None]
-        want = logits.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+        logits = logits.masked_fill(~visible, float("-inf"))
+        want = logits.softmax(-1) @ v
+        torch.testing.assert_close(lse[head], logits.logsumexp(-1), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out[0, :, head], want, rtol=1e-5, atol=1e-5)
 
 

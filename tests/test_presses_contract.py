@@ -26,7 +26,7 @@ from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import capture
 from core_kv.geometry import model_fingerprint
 from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa, window_layers
-from core_kv.models.cache import HeadGroup, RaggedKV, RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
+from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.models.tiny import FAMILIES, tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES, BasePress, ScorerPress
@@ -314,21 +314,16 @@ def naive_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torc
 @pytest.mark.parametrize("t", [1, 5])
 def test_ragged_attention_matches_naive_reference(t):
     torch.manual_seed(0)
-    d, lengths = 16, [9, 14, 9]  # KV heads 0 and 2 share a quota group
-    keys = [torch.randn(n, d) for n in lengths]
-    values = [torch.randn(n, d) for n in lengths]
-    groups = []
-    for n in sorted(set(lengths)):
-        heads = [h for h, m in enumerate(lengths) if m == n]
-        groups.append(
-            HeadGroup(
-                torch.tensor(heads),
-                torch.stack([keys[h] for h in heads])[None],
-                torch.stack([values[h] for h in heads])[None],
-            )
-        )
+    d, s, lengths = 16, 20, [9, 14, 9]  # unequal per-head quotas
+    full_k, full_v = torch.randn(1, 3, s, d), torch.randn(1, 3, s, d)
+    kept = [torch.randperm(s)[:n].sort().values for n in lengths]
+    layer = RaggedLayer.from_kept(full_k, full_v, kept)
+    new_k, new_v = torch.randn(1, 3, t, d), torch.randn(1, 3, t, d)
+    view, _ = layer.update(new_k, new_v)
+    keys = [torch.cat([full_k[0, h, kept[h]], new_k[0, h]]) for h in range(3)]
+    values = [torch.cat([full_v[0, h, kept[h]], new_v[0, h]]) for h in range(3)]
     q = torch.randn(1, 6, t, d)  # 2 query heads per KV head
-    got = ragged_sdpa(None, q, RaggedKV(groups, 3), scaling=d**-0.5)
+    got = ragged_sdpa(None, q, view, scaling=d**-0.5)
     torch.testing.assert_close(got, naive_attention(q, keys, values, d**-0.5), rtol=1e-5, atol=1e-5)
 
 

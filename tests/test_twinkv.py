@@ -206,10 +206,13 @@ def test_exact_quotas_and_payload(llama, ratio):
         assert sum(per_head) == heads * big
         assert min(per_head) >= s + w + u_total // 2
         assert per_head == press.capacities[i][0]
-        assert acc["per_layer"][i] == 2 * d * heads * big * ref.keys.element_size()  # 2·d·H·B, no padding
-        groups = layer.groups if isinstance(layer, RaggedLayer) else None
-        if groups is None:
+        es = ref.keys.element_size()
+        assert acc["payload_per_layer"][i] == 2 * d * heads * big * es  # 2·d·H·B
+        if not isinstance(layer, RaggedLayer):
+            assert acc["per_layer"][i] == acc["payload_per_layer"][i]
             continue
+        assert acc["per_layer"][i] == acc["payload_per_layer"][i]  # after the eviction: the kept entries, no padding
+        groups = layer.groups
         for grp in groups:  # stored rows are original keys, in sequence order
             for j, h in enumerate(grp.heads.tolist()):
                 rows = grp.keys[0, j]

@@ -84,8 +84,13 @@ def run_stage(tr: RunContext, name: str, module, params_of, items: list, total: 
     stopped = False
     for batch in active:
         with acc.accumulate(module):
+            base_lr = (
+                scfg.lr_schedule(step)
+                if hasattr(scfg, "lr_schedule")
+                else lr_at(step, total, scfg.lr, scfg.warmup_lr_steps)
+            )
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, total, scfg.lr, scfg.warmup_lr_steps) * group["lr_scale"]
+                group["lr"] = base_lr * group["lr_scale"]
             loss, logs = module(batch)
             timer = tr.timers.get(name)
             with timer("backward_optimizer") if timer else nullcontext():
@@ -185,8 +190,19 @@ GATE_PARAMS = ("gate_w", "gate_b")
 
 def _param_groups(module, scfg) -> list[dict]:
     """AdamW groups of a stage's trainable parameters, each with its ``lr_scale`` relative to ``scfg.lr``: the
-    memory gate's scalars get ``scfg.gate_lr`` (``MemoryStage``), everything else ``scfg.lr``."""
+    memory gate's scalars get ``scfg.gate_lr`` (``MemoryStage``), everything else ``scfg.lr``; a stage with
+    ``group_scales`` ({name prefix: scale}, the released recipe's joint stage) scales each prefix's parameters."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    scales = getattr(scfg, "group_scales", None)
+    if scales:
+        groups = []
+        for prefix, scale in scales.items():
+            params = [p for n, p in named if n.startswith(prefix)]
+            if params:
+                groups.append({"params": params, "lr_scale": scale})
+        if sum(len(g["params"]) for g in groups) != len(named):
+            raise ValueError(f"group_scales {sorted(scales)} do not partition the stage's trainable parameters")
+        return groups
     gate_lr = getattr(scfg, "gate_lr", None)
     if gate_lr is None:
         return [{"params": [p for _, p in named], "lr_scale": 1.0}]

@@ -70,6 +70,9 @@ LATER_DEFAULTS = {("indexer", "cascade"): False, ("teacher", "features"): 1}
 def _hashed(cfg) -> dict:
     """``to_dict(cfg)`` without the :data:`LATER_DEFAULTS` options that are at their default."""
     d = to_dict(cfg)
+    if d.get("recipe", "replay") == "replay":  # added with the released recipe; unread by the replay recipe
+        d.pop("recipe", None)
+        d.pop("online", None)
     for (section, name), default in LATER_DEFAULTS.items():
         if d[section].get(name, default) == default:
             d[section].pop(name, None)
@@ -96,6 +99,8 @@ def _accelerator(cfg):
 class Trainer(RunContext):
     """Sets a run up (base model, teacher data, CORE model, W&B) and decides what a rerun keeps; the stages of
     :mod:`~core_kv.distill.stages` read the shared objects through :class:`~core_kv.distill.context.RunContext`."""
+
+    stages = STAGES
 
     def __init__(self, cfg):
         out = Path(cfg.out_dir)
@@ -256,7 +261,12 @@ def train(cfg) -> dict:
     stops the run early.
     """
     t0 = time.perf_counter()
-    tr = Trainer(cfg)
+    if cfg.recipe == "released":
+        from core_kv.distill.online import ReleasedTrainer
+
+        tr = ReleasedTrainer(cfg)
+    else:
+        tr = Trainer(cfg)
     try:
         with main_process_lock(cfg.out_dir, "training run", tr.acc):  # one writer per run folder
             return _train(tr, t0)
@@ -292,7 +302,7 @@ def _train(tr: Trainer, t0: float) -> dict:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     elif tr.main and not same_run:
         old = (stored or {}).get("stages") or {}
-        for name in STAGES:
+        for name in tr.stages:
             if old.get(name) != key["stages"][name] and (
                 (tr.out / "state" / name).exists() or list((tr.out / "stages").glob(f"{name}.*"))
             ):
@@ -302,6 +312,13 @@ def _train(tr: Trainer, t0: float) -> dict:
         atomic_write_json(key_path, key)
     tr.acc.wait_for_everyone()
     tr.setup()
+    if cfg.recipe == "released":
+        from core_kv.distill.online import released_summary
+
+        summary = released_summary(tr, t0) | {"artifact": str(final)}
+        tr.save_final(summary)
+        tr.print(format_summary(summary))
+        return summary
     train_indexer(tr)
     calib = calibrate(tr)
     train_memory(tr)

@@ -1,7 +1,8 @@
 """The policy stage: choose a CORE artifact's inference policy on the pipeline's own validation prompts.
 
 ``train.py`` runs it after the artifact is written (``policy.*`` options, :class:`~core_kv.policy.PolicyStageConfig`).
-For every validation ratio, every candidate composition (:func:`~core_kv.policy.candidate_grid`: uniform or AdaKV
+For a feature spec v3 artifact (the released design) only the candidates with uniform budgets and no repair pass
+apply (memory on or off). For every validation ratio, every candidate composition (:func:`~core_kv.policy.candidate_grid`: uniform or AdaKV
 head-wise budgets pooled over ``p`` or ``(p + ε)·‖v‖``, with or without TwinKV's repair pass, with or without the
 latent memory) compresses the context of every validation prompt (:mod:`core_kv.eval.validation`: own wording, keys,
 haystacks and seeds; no evaluation context is ever read), and the answer is scored by teacher forcing:
@@ -30,13 +31,15 @@ import torch
 from tqdm import tqdm
 
 from core_kv.config import to_dict
+from core_kv.core_model import CoreConfig
 from core_kv.eval.fidelity import continuation_logprobs
 from core_kv.eval.validation import validation_set
 from core_kv.files import atomic_write_json
 from core_kv.pipeline import encode, prefill
 from core_kv.policy import InferencePolicy, PolicyOptions, PolicyStageConfig, bands_from_choices, complexity
-from core_kv.presses.core import compose
+from core_kv.presses.core import compose, compose_released, released_candidate
 from core_kv.presses.core_scorer import CoreScorerPress
+from core_kv.presses.released_scorer import CoreReleasedScorerPress
 
 RULE = "highest accuracy (every answer token top-1 under teacher forcing), then highest mean answer log-prob, then the fewest changes to the paper's press"
 
@@ -92,7 +95,13 @@ def run_policy_stage(
             f.unlink()
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_json(key_file, key)
+    released = bool(CoreConfig.from_pretrained(artifact).shared_scores)
     candidates = cfg.candidate_options()
+    if released:  # a spec-v3 artifact: one kept set per layer, so only uniform budgets without the repair pass
+        if cfg.candidates and not all(released_candidate(c) for c in candidates):
+            raise ValueError(f"policy.candidates: {artifact} is a feature spec v3 artifact; its candidates must have "
+                             "head_budgets 'uniform' and repair false")  # fmt: skip
+        candidates = [c for c in candidates if released_candidate(c)]
     jobs = [(None, None)] + [(r, c) for r in cfg.ratios for c in candidates]
     bar = tqdm(total=len(jobs) * len(prompts), desc="policy", disable=not progress, unit="prompt")
     scores: dict = {}
@@ -104,7 +113,11 @@ def run_policy_stage(
             bar.update(len(prompts))
             continue
         press = None
-        if options is not None:
+        if options is not None and released:
+            press = compose_released(
+                CoreReleasedScorerPress(checkpoint=str(artifact), compression_ratio=ratio), options
+            )
+        elif options is not None:
             scorer = CoreScorerPress(checkpoint=str(artifact), compression_ratio=ratio)
             press = compose(scorer, options)
         rows = []

@@ -15,8 +15,8 @@ keeps at most W - 1 positions there, whatever the context length. Presses compre
 
 The ragged attention path (``core_kv+<base>``, e.g. ``core_kv+sdpa``) is registered with transformers'
 ``AttentionInterface``: for an ordinary rectangular cache it calls the base implementation unchanged; for a
-:class:`~core_kv.models.cache.RaggedLayer` it runs SDPA once per head group (a group keeps its query heads with
-their KV head) and concatenates the outputs. It is exact: no fake keys, no padding (see ``../shared/design/PRESSES.md``).
+:class:`~core_kv.models.cache.RaggedLayer` it reads each KV head's rows in place with that head's query heads
+(:func:`ragged_sdpa`). It is exact: no fake keys, no padding to the longest head (see ``../shared/design/PRESSES.md``).
 """
 
 from __future__ import annotations
@@ -326,35 +326,91 @@ def attention_inputs(model: nn.Module, fn: Callable[[int, nn.Module, torch.Tenso
 
 
 def ragged_sdpa(
-    module: nn.Module, query: torch.Tensor, kv: RaggedKV, scaling: float | None = None, softcap: float | None = None
-) -> torch.Tensor:
-    """Exact causal attention of ``query`` ``(B, H, T, D)`` over a ragged cache; returns ``(B, T, H, D)``.
+    module: nn.Module | None,
+    query: torch.Tensor,
+    kv: RaggedKV,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact causal attention of ``query`` ``(1, H, T, D)`` over a ragged cache; returns ``(1, T, H, D)`` and, with
+    ``return_lse``, each query's log-partition ``(H, T)`` over its KV head's keys.
 
-    The T new tokens are the last T entries of every group (they were just appended), so query t sees the first
-    ``S_g - T + t + 1`` keys of group g. ``softcap`` (Gemma 2's ``attn_logit_softcapping``) caps the logits as the
-    model's eager attention does, ``cap · tanh(logits / cap)``, which SDPA cannot, so those groups run unfused.
+    Each KV head's keys and values are read in place (a view of the layer's pools, no copy, no padding) by the
+    ``G`` query heads that share it; the T new tokens are the last T of every head (just appended), so query t sees
+    the first ``L_h − T + t + 1`` of them. A decode step (T = 1) passes the G queries as the rows of one attention
+    call per KV head (no mask, no repeated keys).
+
+    One call per KV head rather than one call per layer: see docs/presses.md ("Exact per-head budgets") for the
+    one-call layouts measured against it (pages merged by log-sum-exp; heads padded to the longest). ``softcap``
+    (Gemma 2's ``attn_logit_softcapping``) caps the logits as the model's eager attention does,
+    ``cap · tanh(logits / cap)``, which SDPA cannot, so a softcapped model's heads run unfused.
     """
+    layer = kv.layer
     b, h, t, d = query.shape
-    g_size = h // kv.num_heads
-    out = query.new_empty(b, h, t, d)
-    for g in kv.groups:
-        qh = (g.heads[:, None] * g_size + torch.arange(g_size, device=g.heads.device)[None]).reshape(-1)
-        q = query[:, qh]  # (B, h_g*G, T, D)
-        k = g.keys.repeat_interleave(g_size, dim=1)  # (B, h_g*G, S_g, D)
-        v = g.values.repeat_interleave(g_size, dim=1)
-        s = k.shape[2]
-        mask = None
-        if t > 1:
-            mask = torch.arange(s, device=q.device)[None, :] <= (s - t + torch.arange(t, device=q.device))[:, None]
-        if softcap:
-            logits = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else d**-0.5)
-            logits = torch.tanh(logits / softcap) * softcap
-            if mask is not None:
-                logits = logits.masked_fill(~mask, float("-inf"))
-            out[:, qh] = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    hkv = layer.num_heads
+    g = h // hkv
+    if b != 1:
+        raise ValueError("per-head (ragged) caches support batch size 1")
+    if t != kv.new_tokens:
+        raise ValueError(f"ragged attention: {t} queries for {kv.new_tokens} new cache tokens")
+    scale = scaling if scaling is not None else d**-0.5
+    out = query.new_empty(hkv, g, t, d)
+    lse = query.new_empty(hkv, g, t, dtype=torch.float32) if return_lse else None
+    q = query.reshape(hkv, g, t, d)  # query head h·G + j reads KV head h
+    for kv_head in range(hkv):
+        keys, values = layer.head(kv_head)  # (L_h, D) views
+        if t == 1:  # the G queries as rows of one sequence: (1, 1, G, D) over (1, 1, L_h, D)
+            o, s = _attention(
+                q[kv_head].view(1, 1, g, d), keys[None, None], values[None, None], None, scale, return_lse, softcap
+            )
         else:
-            out[:, qh] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).contiguous()
+            n = keys.shape[0]
+            visible = (
+                torch.arange(n, device=query.device)[None] <= (n - t + torch.arange(t, device=query.device))[:, None]
+            )
+            mask = torch.zeros(t, n, dtype=query.dtype, device=query.device).masked_fill_(
+                ~visible, torch.finfo(query.dtype).min
+            )
+            o, s = _attention(  # the G query heads over one KV head: keys broadcast (a stride-0 view)
+                q[kv_head][None],
+                keys.expand(1, g, n, d),
+                values.expand(1, g, n, d),
+                mask[None, None],
+                scale,
+                return_lse,
+                softcap,
+            )
+        out[kv_head] = o.view(g, t, d)
+        if return_lse:
+            lse[kv_head] = s.view(g, t)
+    out = out.view(1, h, t, d).transpose(1, 2).contiguous()
+    return (out, lse.view(h, t)) if return_lse else out
+
+
+_CPU_KERNEL = True  # tests switch it off to check the device-independent path on CPU
+
+
+def _attention(
+    q, k, v, mask, scale: float, with_lse: bool, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(softmax(q kᵀ · scale + mask) v, log-partition or None)`` for ``(1, n, R, D)`` rows over ``(1, n, L, D)``;
+    with ``softcap`` the logits are ``cap · tanh(logits / cap)`` before the mask (unfused, as eager attention)."""
+    if softcap:
+        logits = torch.tanh((q.float() @ k.float().mT) * scale / softcap) * softcap
+        if mask is not None:
+            logits = logits + mask.float()
+        out = (torch.softmax(logits, dim=-1) @ v.float()).to(q.dtype)
+        return out, (logits.logsumexp(-1) if with_lse else None)
+    if q.device.type == "cpu" and _CPU_KERNEL:  # the CPU flash kernel returns the log-partition with the output
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if not with_lse:
+        return out, None
+    logits = (q.float() @ k.float().mT) * scale
+    return out, (logits if mask is None else logits + mask.float()).logsumexp(-1)
 
 
 def causal_mask(t: int, s: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -366,9 +422,12 @@ def causal_mask(t: int, s: int, dtype: torch.dtype, device) -> torch.Tensor:
 def _make_wrapper(base: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if isinstance(key, RaggedKV):
-            if query.shape[0] != 1:
-                raise ValueError("per-head (ragged) caches support batch size 1")
-            return ragged_sdpa(module, query, key, scaling, kwargs.get("softcap")), None
+            sink = module.__dict__.get(LSE_SINK) if query.shape[2] == 1 else None
+            softcap = kwargs.get("softcap")
+            if sink is None:
+                return ragged_sdpa(module, query, key, scaling, softcap), None
+            out, sink["lse"] = ragged_sdpa(module, query, key, scaling, softcap, return_lse=True)  # CORE's readout
+            return out, None
         if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
             # transformers builds one mask from layer 0's cache length; layers compressed to other lengths
             # (per-layer budgets, e.g. PyramidKV) need their own causal mask, aligned to the end of the cache.

@@ -5,9 +5,9 @@ field likewise); 5.2 silently ignores ``cache=``. Everything in core_kv reaches 
 :func:`cache_from_kwargs` / :func:`cache_from_output` and passes it to models as ``past_key_values=`` (accepted by
 both), so one code path serves the whole 5.x line.
 
-:class:`RaggedLayer` keeps heads grouped by quota: heads that keep the same number of tokens share one tensor
-``(B, h_g, S_g, D)`` and nothing is padded, so a per-head budget (AdaKV, TwinKV, CORE) saves real memory. The
-attention function in :mod:`core_kv.models.attention` reads it group by group.
+:class:`RaggedLayer` stores per-head budgets (AdaKV, TwinKV, CORE) with each KV head's tokens contiguous in one pool:
+nothing is padded to the longest head, so the memory saving is real, and appends are written in place. The attention
+function in :mod:`core_kv.models.attention` reads each head's rows in place.
 """
 
 from __future__ import annotations
@@ -63,9 +63,15 @@ def check_cache_supported(cache: Cache, layer: int | None = None) -> None:
             )
 
 
+RESERVE_TOKENS = 16
+"""Smallest free room per head a :class:`RaggedLayer` adds when an append does not fit (it then doubles, up to
+:data:`RESERVE_MAX`), so decode steps write in place and the layer is re-laid out only every so many tokens."""
+RESERVE_MAX = 256
+
+
 @dataclass
 class HeadGroup:
-    """KV heads that keep the same number of tokens, stored together."""
+    """KV heads that keep the same number of tokens, as one rectangular copy (:attr:`RaggedLayer.groups`)."""
 
     heads: torch.Tensor  # (h_g,) KV-head indices, ascending
     keys: torch.Tensor  # (B, h_g, S_g, D)
@@ -73,40 +79,61 @@ class HeadGroup:
 
 
 class RaggedKV:
-    """What :meth:`RaggedLayer.update` hands to the attention function instead of rectangular K/V tensors."""
+    """What :meth:`RaggedLayer.update` hands to the attention function instead of rectangular K/V tensors: the layer
+    and how many tokens (the forward's queries) were just appended to every head."""
 
-    def __init__(self, groups: list[HeadGroup], num_heads: int):
-        self.groups = groups
-        self.num_heads = num_heads
+    def __init__(self, layer: RaggedLayer, new_tokens: int):
+        self.layer = layer
+        self.new_tokens = new_tokens
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:  # rectangular view of the largest group, for shape-only readers
-        g = max(self.groups, key=lambda g: g.keys.shape[2])
-        return (g.keys.shape[0], self.num_heads, g.keys.shape[2], g.keys.shape[3])
+    def num_heads(self) -> int:
+        return self.layer.num_heads
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:  # rectangular view of the longest head, for shape-only readers
+        return (1, self.layer.num_heads, self.layer.get_seq_length(), self.layer.head_dim)
 
 
 class RaggedLayer(DynamicLayer):
-    """A dynamic cache layer whose KV heads keep different numbers of tokens, grouped by equal count.
+    """A dynamic cache layer whose KV heads keep different numbers of tokens, each head's tokens contiguous.
 
-    Appends (question and decode tokens) go to every group. :meth:`lengths` gives tokens per KV head;
-    :meth:`padded` gives a right-padded rectangular copy (for re-scoring at a later eviction event only; the
-    stored payload is never padded).
+    Storage: keys and values are two pools ``(capacity, D)``; KV head ``h`` owns the rows
+    ``[start_h, start_h + capacity_h)`` and fills the first ``L_h`` of them in token order. Nothing is padded to the
+    longest head. Right after an eviction every capacity equals its head's count (the pools hold exactly the kept
+    entries); an append that does not fit re-lays the pools out once with free room per head (:data:`RESERVE_TOKENS`,
+    doubling up to :data:`RESERVE_MAX`), so question and decode tokens are then written in place, never by
+    concatenation. :meth:`nbytes` counts the pools as allocated (free room included); :meth:`payload_bytes` the kept
+    entries alone.
+
+    :func:`core_kv.models.attention.ragged_sdpa` reads each head's rows in place (a view, no copy) with the query
+    heads of that KV head. :meth:`lengths` gives tokens per KV head; :meth:`padded` a right-padded rectangular copy
+    (for re-scoring at a later eviction event).
     """
 
-    def __init__(self, groups: list[HeadGroup], num_heads: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, lengths: list[int], capacities: list[int]):
         super().__init__()
-        self.groups = groups
-        self.num_heads = num_heads
-        first = groups[0].keys
-        self.device, self.dtype = first.device, first.dtype
+        self.num_heads, self.head_dim = len(lengths), keys.shape[-1]
+        self.device, self.dtype = keys.device, keys.dtype
         self.is_initialized = True
         self.keys = self.values = None  # rectangular views do not exist for a ragged layer
+        self._k, self._v = keys, values  # (capacity, D) pools
+        self._lengths = list(lengths)
+        self._set_capacities(capacities)
+        self._reserve = 0  # free room per head added at the last re-layout
+
+    def _set_capacities(self, capacities: list[int]) -> None:
+        self._capacities = list(capacities)
+        self._starts = [sum(capacities[:h]) for h in range(len(capacities))]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Building and growing
 
     @classmethod
     def from_kept(
         cls, keys: torch.Tensor, values: torch.Tensor, kept: list[torch.Tensor]
     ) -> RaggedLayer | tuple[torch.Tensor, torch.Tensor]:
-        """Build from full ``keys``/``values`` ``(B, Hkv, S, D)`` and per-head kept indices (sorted, 1-D each).
+        """Build from full ``keys``/``values`` ``(1, Hkv, S, D)`` and per-head kept indices (sorted, 1-D each).
 
         Returns plain rectangular ``(keys, values)`` when every head keeps the same count.
         """
@@ -115,61 +142,112 @@ class RaggedLayer(DynamicLayer):
             idx = torch.stack(kept).to(keys.device)  # (Hkv, k)
             idx = idx[None, :, :, None].expand(keys.shape[0], -1, -1, keys.shape[-1])
             return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
-        groups = []
-        for count in sorted(set(counts)):
-            heads = [h for h, c in enumerate(counts) if c == count]
-            idx = torch.stack([kept[h] for h in heads]).to(keys.device)  # (h_g, count)
-            h_t = torch.tensor(heads, device=keys.device)
-            idx4 = idx[None, :, :, None].expand(keys.shape[0], -1, -1, keys.shape[-1])
-            groups.append(
-                HeadGroup(h_t, keys[:, h_t].gather(2, idx4).contiguous(), values[:, h_t].gather(2, idx4).contiguous())
-            )
-        return cls(groups, num_heads=len(kept))
+        if keys.shape[0] != 1:
+            raise ValueError("per-head budgets are stored for batch size 1")
+        if min(counts) < 1:
+            raise ValueError(f"every KV head must keep at least one token, got per-head counts {counts}")
+        hkv, s, d = keys.shape[1:]
+        rows = torch.cat([kept[h].to(keys.device) + h * s for h in range(hkv)])  # head-major, as the pools
+        return cls(
+            keys[0].reshape(hkv * s, d).index_select(0, rows), values[0].reshape(hkv * s, d).index_select(0, rows),
+            counts, counts,
+        )  # fmt: skip
+
+    def _writable(self) -> None:
+        """Pools made under ``torch.inference_mode`` cannot be written in place outside it: copy them once."""
+        if self._k.is_inference() and not torch.is_inference_mode_enabled():
+            self._k, self._v = self._k.clone(), self._v.clone()
+
+    def _relayout(self, room: int) -> None:
+        """Copy every head into new pools with ``room`` free rows per head beyond its tokens."""
+        old_k, old_v, old_starts = self._k, self._v, self._starts
+        self._set_capacities([n + room for n in self._lengths])
+        total = sum(self._capacities)
+        self._k = old_k.new_zeros(total, self.head_dim)
+        self._v = old_v.new_zeros(total, self.head_dim)
+        for h, n in enumerate(self._lengths):
+            a, b = old_starts[h], self._starts[h]
+            self._k[b : b + n] = old_k[a : a + n]
+            self._v[b : b + n] = old_v[a : a + n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        for g in self.groups:
-            g.keys = torch.cat([g.keys, key_states[:, g.heads]], dim=-2)
-            g.values = torch.cat([g.values, value_states[:, g.heads]], dim=-2)
-        view = RaggedKV(self.groups, self.num_heads)
+        """Append the ``T`` new tokens ``(1, Hkv, T, D)`` to every head, in place; returns :class:`RaggedKV` twice."""
+        b, hkv, t, d = key_states.shape
+        if b != 1:
+            raise ValueError("per-head (ragged) caches support batch size 1")
+        if any(n + t > c for n, c in zip(self._lengths, self._capacities, strict=True)):
+            self._reserve = min(RESERVE_MAX, max(RESERVE_TOKENS, 2 * self._reserve))
+            self._relayout(t + self._reserve)
+        self._writable()
+        if t == 1:
+            rows = torch.tensor([s + n for s, n in zip(self._starts, self._lengths, strict=True)])
+        else:
+            base = torch.tensor([s + n for s, n in zip(self._starts, self._lengths, strict=True)])
+            rows = (base[:, None] + torch.arange(t)).flatten()  # head-major, as key_states[0] below
+        rows = rows.to(self.device)
+        self._k.index_copy_(0, rows, key_states[0].reshape(hkv * t, d).to(self.dtype))
+        self._v.index_copy_(0, rows, value_states[0].reshape(hkv * t, d).to(self.dtype))
+        self._lengths = [n + t for n in self._lengths]
+        view = RaggedKV(self, t)
         return view, view
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Reading
+
+    def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV head ``h``'s keys and values ``(L_h, D)`` (views into the pools, no copy)."""
+        a, n = self._starts[h], self._lengths[h]
+        return self._k[a : a + n], self._v[a : a + n]
 
     def lengths(self) -> torch.Tensor:
         """Tokens kept per KV head, ``(Hkv,)``."""
-        out = torch.zeros(self.num_heads, dtype=torch.long)
-        for g in self.groups:
-            out[g.heads.cpu()] = g.keys.shape[2]
-        return out
+        return torch.tensor(self._lengths, dtype=torch.long)
 
     def get_seq_length(self) -> int:
-        return max(g.keys.shape[2] for g in self.groups)
+        return max(self._lengths)
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded copies ``(B, Hkv, S_max, D)`` and a validity mask ``(Hkv, S_max)``."""
+        """Right-padded copies ``(1, Hkv, S_max, D)`` (zeros past each head's end) and a validity mask ``(Hkv, S_max)``."""
         s_max = self.get_seq_length()
-        b, _, _, d = self.groups[0].keys.shape
-        keys = self.groups[0].keys.new_zeros(b, self.num_heads, s_max, d)
+        keys = self._k.new_zeros(1, self.num_heads, s_max, self.head_dim)
         values = keys.clone()
-        valid = torch.zeros(self.num_heads, s_max, dtype=torch.bool, device=keys.device)
-        for g in self.groups:
-            s = g.keys.shape[2]
-            keys[:, g.heads, :s] = g.keys
-            values[:, g.heads, :s] = g.values
-            valid[g.heads, :s] = True
+        valid = torch.zeros(self.num_heads, s_max, dtype=torch.bool, device=self.device)
+        for h, n in enumerate(self._lengths):
+            keys[0, h, :n], values[0, h, :n] = self.head(h)
+            valid[h, :n] = True
         return keys, values, valid
 
+    @property
+    def groups(self) -> list[HeadGroup]:
+        """Heads with equal counts as rectangular copies ``(1, h_g, S_g, D)`` (for readers that want one tensor per
+        quota; the attention reads the pools in place)."""
+        keys, values, _ = self.padded()
+        out = []
+        for count in sorted(set(self._lengths)):
+            heads = torch.tensor([h for h, c in enumerate(self._lengths) if c == count], device=self.device)
+            out.append(HeadGroup(heads, keys[:, heads, :count], values[:, heads, :count]))
+        return out
+
     def nbytes(self) -> int:
-        return sum(
-            g.keys.numel() * g.keys.element_size() + g.values.numel() * g.values.element_size() for g in self.groups
-        )
+        """Bytes allocated: both pools, free room included."""
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
+
+    def payload_bytes(self) -> int:
+        """Bytes of the kept entries alone: ``2 · D · bytes(dtype) · Σ_heads tokens``."""
+        return 2 * self.head_dim * self._k.element_size() * sum(self._lengths)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Trimming and what a ragged layer cannot do
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens of every head (the pipeline trims question and answer tokens);
+        their rows stay allocated, free for the next append."""
         if tokens_to_remove > 0:
             raise ValueError("RaggedLayer.crop takes a negative count (tokens to remove from the end)")
-        if tokens_to_remove == 0:
-            return
-        for g in self.groups:
-            g.keys = g.keys[..., :tokens_to_remove, :]
-            g.values = g.values[..., :tokens_to_remove, :]
+        n = -tokens_to_remove
+        if n and n >= min(self._lengths):
+            raise ValueError(f"RaggedLayer.crop: cannot remove {n} tokens from heads holding {self._lengths}")
+        self._lengths = [c - n for c in self._lengths]
 
     def reset(self) -> None:
         raise RuntimeError("a RaggedLayer cannot be reset in place; build a new cache")
@@ -192,6 +270,7 @@ def layer_lengths(layer) -> torch.Tensor:
 
 
 def layer_nbytes(layer) -> int:
+    """Bytes a cache layer holds (a ragged layer: its pools, free room included)."""
     if isinstance(layer, RaggedLayer):
         return layer.nbytes()
     if not layer.is_initialized or layer.keys is None:
@@ -199,12 +278,25 @@ def layer_nbytes(layer) -> int:
     return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
 
 
+def layer_payload_bytes(layer) -> int:
+    """Bytes of the entries a cache layer keeps (``2 · D · bytes(dtype)`` per kept token per head)."""
+    if isinstance(layer, RaggedLayer):
+        return layer.payload_bytes()
+    return layer_nbytes(layer)
+
+
 def kv_bytes(cache: Cache) -> dict:
-    """KV payload actually stored: ``{"per_layer": [...], "total": int, "tokens_per_head": [[...], ...]}``."""
+    """KV bytes stored: ``{"per_layer", "total", "payload_per_layer", "payload", "tokens_per_head"}``.
+
+    ``per_layer``/``total`` are what the cache holds (for a ragged layer: its pools as allocated, free room for
+    appends included); ``payload_per_layer``/``payload`` the kept entries alone (the same for rectangular layers)."""
     per_layer = [layer_nbytes(layer) for layer in cache.layers]
+    payload = [layer_payload_bytes(layer) for layer in cache.layers]
     return {
         "per_layer": per_layer,
         "total": int(sum(per_layer)),
+        "payload_per_layer": payload,
+        "payload": int(sum(payload)),
         "tokens_per_head": [layer_lengths(layer).tolist() for layer in cache.layers],
     }
 

@@ -23,7 +23,7 @@ class AdaKVPress(WrapperPress, ScorerPress, name="adakv"):
     n_kept`` positions in total (``n_kept`` the inner press's budget): every head first keeps its top ``max(1,
     int(alpha_safeguard * n_kept))`` positions, then the globally lowest scores across all heads of the layer are
     evicted. The inner press's protected positions stay. The per-head index lists are stored physically (a ragged
-    cache: heads grouped by equal quota, nothing padded), so the memory saving is real and attention is exact; later
+    cache: each head's tokens contiguous, nothing padded), so the memory saving is real and attention is exact; later
     events (chunked prefill, ``decoding=True``) re-score the ragged cache and keep ``Hkv * n_kept`` again.
 
     What the heads compete on (``pool``):

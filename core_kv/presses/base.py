@@ -8,8 +8,8 @@ and goes beyond it where kvpress users complain (§6 there):
 
 - **Exact per-head budgets with real savings.** :meth:`BasePress.compress` (for a scorer, :meth:`ScorerPress.select`)
   may return a different number of kept positions per KV head; the cache layer is then replaced by a
-  :class:`~core_kv.models.cache.RaggedLayer` (heads grouped by quota, nothing padded) read by an exact per-group
-  attention path, not by fake-key masking.
+  :class:`~core_kv.models.cache.RaggedLayer` (each head's tokens contiguous, nothing padded) read by an exact
+  per-head attention path, not by fake-key masking.
 - **Budgets** as a ``compression_ratio`` in [0, 1) (fraction removed) or an absolute ``budget`` of tokens per head;
   ``protected_sinks`` first and ``protected_recent`` last positions always kept; a budget >= the context is a no-op.
 - **When to evict.** By default the first forward on an empty cache (prefill) is compressed and later forwards

@@ -18,6 +18,12 @@ compression_ratio=r)`` applies the band of r, ``policy="paper"`` the paper's pre
 (``head_budgets``, ``head_pool``, ``repair``, ``memory``) overrides the policy — the override shows in the press's repr
 and in its :meth:`config_dict` (results folders).
 
+A feature spec v3 artifact (the authors' released design, ``recipe: released``) composes instead
+``FastMemoryPress(CoreReleasedScorerPress(checkpoint))`` (:mod:`~core_kv.presses.released_scorer`,
+:mod:`~core_kv.presses.fast_memory`): one score per token, the same kept set in every KV head, the released memory;
+its policy may switch the memory off (or keep it in some layers) but not change the head budgets or add the repair
+pass (a v3 score is defined on one candidate set per layer).
+
 Deviations from the paper, each measured (docs/method.md): head-wise budgets and value-aware head pooling, the repair
 pass on CORE's retained sets, and the memory switched off (or kept in some layers) where the validation data says it
 does not help.
@@ -31,7 +37,9 @@ from core_kv.policy import PAPER, PolicyOptions
 from core_kv.presses.adakv import AdaKVPress
 from core_kv.presses.base import BasePress, WrapperPress
 from core_kv.presses.core_scorer import CoreScorerPress
+from core_kv.presses.fast_memory import FastMemoryPress
 from core_kv.presses.latent_memory import LatentMemoryPress
+from core_kv.presses.released_scorer import CoreReleasedScorerPress
 from core_kv.presses.twin_repair import TwinRepairPress
 
 POLICIES = ("artifact", "paper")
@@ -90,6 +98,13 @@ class CorePress(WrapperPress, name="core"):
             decoding_slack=self.decoding_slack, checkpoint=self.checkpoint, protected_sinks=self.protected_sinks,
             protected_recent=self.protected_recent, calibrated=self.calibrated, allocation=self.allocation,
         )  # fmt: skip
+        released = scorer._core is not None and scorer._core.config.shared_scores
+        if released:  # a feature spec v3 artifact: the released design's scorer and memory
+            scorer = CoreReleasedScorerPress(
+                compression_ratio=self.compression_ratio, budget=self.budget, decoding=self.decoding,
+                decoding_slack=self.decoding_slack, checkpoint=self.checkpoint, protected_sinks=self.protected_sinks,
+                protected_recent=self.protected_recent, calibrated=self.calibrated, allocation=self.allocation,
+            )  # fmt: skip
         self.protected_sinks, self.protected_recent = scorer.protected_sinks, scorer.protected_recent
         base = PAPER
         if self.policy == "artifact" and scorer._core is not None:
@@ -108,8 +123,14 @@ class CorePress(WrapperPress, name="core"):
         ):
             raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype apply to the memory, which "
                              f"this composition ({self.options.describe()}) does not run")  # fmt: skip
-        self.press = compose(scorer, self.options, self.write_rule, self.budget_matched, self.memory_dtype,
-                             self.memory_class)  # fmt: skip
+        if released:
+            if (self.write_rule, self.budget_matched, self.memory_dtype) != (None, False, None):
+                raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype are the latent memory's; "
+                                 "a spec-v3 artifact runs the released fast memory")  # fmt: skip
+            self.press = compose_released(scorer, self.options, f"{self.name}: {self.checkpoint}")
+        else:
+            self.press = compose(scorer, self.options, self.write_rule, self.budget_matched, self.memory_dtype,
+                                 self.memory_class)  # fmt: skip
         super().validate()
 
     @property
@@ -117,8 +138,8 @@ class CorePress(WrapperPress, name="core"):
         return self.inner(CoreScorerPress)
 
     @property
-    def memory_press(self) -> LatentMemoryPress | None:
-        return self.inner(LatentMemoryPress)
+    def memory_press(self) -> LatentMemoryPress | FastMemoryPress | None:
+        return self.inner((LatentMemoryPress, FastMemoryPress))
 
     @property
     def core(self):
@@ -186,6 +207,22 @@ def compose(
     return press
 
 
+def compose_released(scorer: CoreReleasedScorerPress, options: PolicyOptions, where: str = "core") -> BasePress:
+    """The stack for ``options`` around a spec-v3 scorer: the released memory (outermost) unless the options switch
+    it off. Head-wise budgets and the repair pass are refused: a v3 score is defined on one candidate set per layer."""
+    if options.head_budgets != "uniform" or options.repair:
+        raise ValueError(f"{where} is a feature spec v3 artifact (one score per token, the same kept set in every KV "
+                         f"head): head_budgets must be 'uniform' and repair false, got {options.describe()!r}")  # fmt: skip
+    if options.memory_layers is None or scorer.is_noop:
+        return scorer
+    return FastMemoryPress(press=scorer, layers=options.memory_layers)
+
+
+def released_candidate(options: PolicyOptions) -> bool:
+    """Whether a composition applies to a spec-v3 artifact (uniform budgets, no repair pass)."""
+    return options.head_budgets == "uniform" and not options.repair
+
+
 @dataclass(repr=False)
 class CoreEAPress(CorePress, name="core_ea"):
     """``CORE_EA`` (paper Table 13): ExpectedAttention scores replace the indexer's allocation; the paper's press."""
@@ -205,8 +242,14 @@ class CoreKeyDiffPress(CorePress, name="core_keydiff"):
 def core_parameter_counts(core) -> dict:
     """Added parameters (paper Table 18): indexer, memory + gate, and the frozen geometry buffers."""
     parts = core.num_parameters_by_part()
-    geo = sum(getattr(core, f"geo_{k}").numel() for k in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt"))
+    names = (
+        ("key_projection", "key_prototypes", "key_rotation")
+        if core.config.shared_scores
+        else tuple(f"geo_{k}" for k in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt"))
+    )
+    geo = sum(getattr(core, k).numel() for k in names)
     return {**parts, "geometry_buffers": geo, "total": parts["indexer"] + parts["memory"] + geo}
 
 
-__all__ = ["OVERRIDES", "POLICIES", "CoreEAPress", "CoreKeyDiffPress", "CorePress", "compose", "core_parameter_counts"]
+__all__ = ["OVERRIDES", "POLICIES", "CoreEAPress", "CoreKeyDiffPress", "CorePress", "compose", "compose_released",
+           "core_parameter_counts", "released_candidate"]  # fmt: skip

@@ -115,9 +115,8 @@ class Phase:
     min_steps: int = option(0, ge=0)
     max_steps: int = option(1_000_000, ge=0)
     advance_em: float = option(0.8, ge=0, le=1)
-    gather_weight: float = option(
-        0.0, ge=0
-    )  # >0: key-gather head losses in this phase (RetrievalHead targets qsrc, nsrc)
+    # >0: key-gather head losses in this phase (RetrievalHead targets qsrc, nsrc)
+    gather_weight: float = option(0.0, ge=0)
     # Task weights; empty means FULL_MIX. (A non-empty default would be merged with, not replaced by, a YAML mix.)
     mix: dict[str, float] = option(factory=dict, check=_task_weights_ok)
 
@@ -160,9 +159,8 @@ class ProxyTrainConfig:
     out_dir: str = option("runs/proxy", check=folder)
     export_dir: str = option("checkpoints/proxy-lm", check=folder)
     seed: int = option(1234, ge=0)  # model init and loss-position sampling
-    data_seed: int = option(
-        20261129, ge=0, check=_not_ruler_seed
-    )  # training sequences (never 42, RULER's evaluation seed)
+    # training sequences (never 42, RULER's evaluation seed)
+    data_seed: int = option(20261129, ge=0, check=_not_ruler_seed)
     probe_seed: int = option(777, ge=0, check=_not_ruler_seed)  # fixed probe prompts for the periodic evaluation
     base_vocab: int = option(4096, ge=1)  # BPE size before the key-word merges
     key_word_tokens: bool = True  # False: plain BPE of base_vocab tokens (feasibility recipe), keys split into pieces
@@ -182,21 +180,18 @@ class ProxyTrainConfig:
     grad_clip: float = option(1.0, ge=0)
     answer_weight: float = option(3.0, ge=0)
     extra_questions: int = option(2, ge=0)  # at most this many extra questions on a needle haystack's distractor lines
-    attn_weight: float = option(
-        0.0, ge=0
-    )  # >0: retrieval-head loss on head attn_head of layer attn_layer (RetrievalHead)
+    # >0: retrieval-head loss on head attn_head of layer attn_layer (RetrievalHead)
+    attn_weight: float = option(0.0, ge=0)
     attn_layer: int = -1
     attn_head: int = option(0, ge=0)
     gather_layer: int = 1  # key-gather heads (Phase.gather_weight): question side, needle side
     gather_heads: list[int] = option(
         factory=lambda: [0, 1], ge=0, check=lambda h: None if len(h) == 2 else "two heads [question side, needle side]"
     )
-    lm_fraction: float = option(
-        0.25, gt=0, le=1
-    )  # share of LM-loss positions scored per step (the vocabulary-wide head is costly)
-    micro_batch_tokens: int = option(
-        2048, ge=1
-    )  # padded tokens per forward pass (length-bucketed; at least 2 x the max_len)
+    # share of LM-loss positions scored per step (the vocabulary-wide head is costly)
+    lm_fraction: float = option(0.25, gt=0, le=1)
+    # padded tokens per forward pass (length-bucketed; at least 2 x the max_len)
+    micro_batch_tokens: int = option(2048, ge=1)
     advance_tasks: list[str] = option(
         factory=lambda: ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "mk_noise"],
         check=_tasks_ok,
@@ -215,9 +210,8 @@ class ProxyTrainConfig:
     probe_n: int = option(10, ge=1)
     max_wall_s: float = option(0.0, ge=0)  # >0: stop (and checkpoint) after this much wall time in this process
     init_from: str = ""  # exported proxy folder to warm-start from (weights + tokenizer; fresh optimizer and steps)
-    export_dtype: str = option(
-        "float32", choices=("float32", "bfloat16")
-    )  # storage dtype of the exported weights (float32 | bfloat16); always loads as fp32
+    # storage dtype of the exported weights (float32 | bfloat16); always loads as fp32
+    export_dtype: str = option("float32", choices=("float32", "bfloat16"))
 
     def __post_init__(self) -> None:
         check_on_init(self)

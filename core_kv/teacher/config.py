@@ -200,9 +200,8 @@ class TeacherConfig:
     num_prototypes: int = option(64, ge=1)
     geometry_path: str = ""  # "" = <out_dir>/geometry.safetensors (fitted if absent)
     metrics: bool = True
-    metrics_docs: int = option(
-        -1, check=_metrics_docs_ok
-    )  # Table 5/7 on documents with index < this only (-1: all); the greedy is O(B·N·M)
+    # Table 5/7 on documents with index < this only (-1: all); the greedy is O(B·N·M)
+    metrics_docs: int = option(-1, check=_metrics_docs_ok)
     records_per_shard: int = option(256, ge=1)
     feature_dtype: str = option("float16", choices=("float16", "float32"))
     threads: int = option(1, ge=0)  # >0: torch.set_num_threads (1 is fastest on shared CPUs; 0 = leave it)
@@ -225,6 +224,11 @@ class TeacherConfig:
             self.lam_at(0)  # validates lam_layers
         except ValueError as e:
             raise ConfigError(f"{prefix}{e}") from None
+        if self.features == 3:
+            raise ConfigError(
+                f"{prefix}features: spec v3 (the released features) is computed online by the released recipe "
+                "(recipe: released in a train config), not stored in teacher datasets"
+            )
 
     def lam_at(self, layer: int) -> float:
         """The coverage weight λ of ``layer``: its ``lam_layers`` entry, else ``lam``."""

@@ -25,6 +25,7 @@ class Doc:
     ids: list[int]
     qa_start: int | None  # first token of the question/answer tail, None for plain text
     kind: str
+    answer_start: int | None = None  # first answer token (the prompt ends before it), None for plain text
 
 
 def load_model(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
@@ -82,7 +83,7 @@ def make_docs(data: DataSpec, indices: list[int], tokenizer) -> list[Doc]:
             n = int(torch.randint(data.min_len, data.max_len + 1, (1,), generator=g))
             ids = torch.randint(3, 500, (n,), generator=g).tolist()
             qa = n - 24 if i % 2 else None
-            out.append(Doc(i, ids, qa, "random_qa" if qa else "random"))
+            out.append(Doc(i, ids, qa, "random_qa" if qa else "random", n - 8 if qa else None))
         return out
     if data.source == "hf":
         import datasets
@@ -98,7 +99,7 @@ def make_docs(data: DataSpec, indices: list[int], tokenizer) -> list[Doc]:
             if len(ctx) > room:  # middle truncation (as LongBench does): keep the head and the question at the end
                 ctx = ctx[: room // 2] + ctx[len(ctx) - (room - room // 2) :]
             qa = max(len(ctx) - data.question_tokens, 1)
-            out.append(Doc(i, ctx + ans, qa, "hf"))
+            out.append(Doc(i, ctx + ans, qa, "hf", len(ctx)))
         return out
     from core_kv.proxy.data import Generator
 
@@ -112,7 +113,7 @@ def make_docs(data: DataSpec, indices: list[int], tokenizer) -> list[Doc]:
         seq = gen.sample(task, length)
         first = next((j for j, a in enumerate(seq.ans) if a > 0), None)
         qa = None if first is None else max(first - data.question_tokens, 1)
-        out.append(Doc(i, seq.ids, qa, task))
+        out.append(Doc(i, seq.ids, qa, task, first))
     return out
 
 

@@ -1,0 +1,204 @@
+"""The released recipe end to end (core_kv/distill/online.py through train.py) on a tiny config-built Llama."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from core_kv.config import load_config
+from core_kv.distill.config import OnlineConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_args(out: Path, *extra: str) -> list[str]:
+    return [
+        f"out_dir={out}",
+        "recipe=released",
+        "teacher.model.random_init=true",
+        "teacher.model.path=''",
+        "teacher.model.hidden_size=64",
+        "teacher.model.num_layers=2",
+        "teacher.model.num_heads=4",
+        "teacher.model.num_kv_heads=2",
+        "teacher.model.intermediate_size=128",
+        "teacher.data.source=random",
+        "train_docs=4",
+        "eval_docs=1",
+        "eval_ratios=[0.75]",
+        "online.total_steps=6",
+        "online.indexer_steps=3",
+        "online.warmup=1",
+        "online.stable=3",
+        "online.decay=2",
+        "online.short_len=96",
+        "online.long_len=128",
+        "online.long_every=4",
+        "online.decode_every=2",
+        "online.decode_window=16",
+        "online.memory_dim=32",
+        "save_every=1",
+        "progress=false",
+        *extra,
+    ]
+
+
+def run(args: list[str]) -> dict:
+    import train
+
+    return train.main(args)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("released") / "run"
+    run(tiny_args(out))
+    return out
+
+
+def test_folder_listing_and_v3_artifact(reference):
+    from core_kv.core_model import CoreModel
+    from core_kv.teacher.config import ModelSpec
+    from core_kv.teacher.docs import load_model
+
+    assert {p.name for p in reference.iterdir()} >= {"final", "stages", "state", "run.json", "summary.json",
+                                                     "config.yaml", "report.md"}  # fmt: skip
+    assert {p.name for p in (reference / "stages").iterdir()} == {"online_indexer.safetensors",
+                                                                  "online_joint.safetensors"}  # fmt: skip
+    model, _ = load_model(
+        ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128), "cpu"
+    )
+    core = CoreModel.from_pretrained(reference / "final", base_model=model)
+    c = core.config
+    assert c.feature_spec["version"] == 3 and c.shared_scores and c.memory_kind == "fast"
+    assert c.protected_sinks == 4 and c.protected_recent == 0
+    assert core.indexer.head_bias.shape == (2, 1) and core.memory.theta.shape == (2, 32, 64)
+    assert c.teacher["drive"] == {"beta": 128.0, "alpha": 1.0, "tau": 8.0, "steps": 8, "temperature": 1.0}
+    torch.testing.assert_close(core.key_geometry().projection.norm(), core.key_projection.norm())
+    assert "r75" in (reference / "report.md").read_text() or "75%" in (reference / "report.md").read_text()
+
+
+def test_resume_after_interruption_matches(tmp_path, reference):
+    """Stopped inside stage 1, then inside stage 2, then finished: the same artifact as one uninterrupted run."""
+    from core_kv.distill.loop import Interrupted
+
+    out = tmp_path / "run"
+    for stop in ("stop_after=2", "stop_after=2"):
+        with pytest.raises(Interrupted):
+            run(tiny_args(out, stop))
+    run(tiny_args(out))
+    a, b = (
+        load_file(str(reference / "final" / "model.safetensors")),
+        load_file(str(out / "final" / "model.safetensors")),
+    )
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], msg=k)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches(tmp_path, reference):
+    """The process is killed (SIGKILL) once a resumable state exists; the relaunch finishes with the same artifact."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    code = "import sys, train; train.main(sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", code, *tiny_args(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline and not list((out / "state").glob("online_joint/step_*")):
+        if proc.poll() is not None:
+            pytest.skip("the run finished before it could be killed")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "final").exists()
+    subprocess.run([sys.executable, "-c", code, *tiny_args(out)], cwd=ROOT, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    a, b = (
+        load_file(str(reference / "final" / "model.safetensors")),
+        load_file(str(out / "final" / "model.safetensors")),
+    )
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], msg=k)
+
+
+def test_memory_off_trains_the_indexer_for_every_step(tmp_path):
+    out = tmp_path / "run"
+    s = run(tiny_args(out, "online.memory=false", "online.total_steps=2", "online.indexer_steps=2"))
+    assert {p.name for p in (out / "stages").iterdir()} == {"online_indexer.safetensors"}
+    assert "memory_relative" not in s["eval"]["r75"]
+
+
+def test_wsd_schedule_by_hand():
+    o = OnlineConfig()
+    assert o.lr_at(0) == 0.0 and math.isclose(o.lr_at(50), 2.5e-4)
+    assert o.lr_at(100) == o.lr_at(3199) == 5e-4
+    mid = 3200 + 1100  # half the decay: the cosine is at its middle
+    assert math.isclose(o.lr_at(mid), 7.5e-6 + (5e-4 - 7.5e-6) * 0.5, rel_tol=1e-9)
+    assert math.isclose(o.lr_at(5400), 7.5e-6) and math.isclose(o.lr_at(9999), 7.5e-6)
+    assert [o.seq_len(s) for s in (1, 7, 8, 16)] == [2048, 2048, 4096, 4096]
+    assert [o.decode_at(s) for s in (1, 4, 6, 8)] == [False, True, False, True]
+    ratios = [o.ratio_at(0, s) for s in range(1, 200)]
+    assert set(ratios) == {0.25, 0.5, 0.75, 0.9} and ratios == [o.ratio_at(0, s) for s in range(1, 200)]
+
+
+def test_online_options_are_validated_at_config_load():
+    with pytest.raises(ValueError, match="online.indexer_steps"):
+        load_config(TrainConfig, ["recipe=released", "online.total_steps=5", "online.indexer_steps=6"])
+    with pytest.raises(ValueError, match="online.budgets"):
+        load_config(TrainConfig, ["online.budgets=[0.5,1.0]"])
+    with pytest.raises(ValueError, match="recipe"):
+        load_config(TrainConfig, ["recipe=offline"])
+    with pytest.raises(ValueError, match="online.drive_tau"):
+        load_config(TrainConfig, ["online.drive_tau=0"])
+
+
+def test_attention_rows_equal_the_models_own_attention_output():
+    """The memory's targets o* are the attention module's input to o_proj (computed from the captured Q/K/V)."""
+    from core_kv.distill.online import attention_rows
+    from core_kv.distill.replay import capture
+    from core_kv.models.tiny import tiny_lm
+
+    model = tiny_lm(seed=0, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=128, vocab_size=256, attn_implementation="eager")  # fmt: skip
+    ids = torch.randint(3, 250, (1, 40))
+    seen = {}
+    hook = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(
+        lambda m, args: seen.setdefault("x", args[0].detach())
+    )
+    acts = capture(model, ids)
+    hook.remove()
+    qpos = torch.arange(30, 40)
+    causal = torch.arange(40)[None, :] <= qpos[:, None]
+    torch.testing.assert_close(attention_rows(acts[1], qpos, causal), seen["x"][0, 30:], atol=1e-5, rtol=1e-4)
+
+
+def test_shipped_released_yamls_load():
+    for path in sorted((ROOT / "configs" / "train").glob("*released*.yaml")):
+        cfg = load_config(TrainConfig, [str(path)])
+        assert cfg.recipe == "released", path
+
+
+def test_released_scores_equal_the_indexer_on_the_v3_features(reference):
+    from core_kv.core_model import CoreModel
+    from core_kv.features_v3 import compute_features_v3, special_mask
+
+    core = CoreModel.from_pretrained(reference / "final")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(4, 20, 16, generator=gen), torch.randn(2, 20, 16, generator=gen), torch.randn(2, 20, 16)
+    pos = torch.arange(20)
+    ids = torch.randint(0, 300, (20,), generator=gen)
+    got = core.released_scores(1, q, k, v, pos, pos, 20, 0.25, token_ids=ids)
+    feats, _, _ = compute_features_v3(q, k, v, pos, pos, 20, core.key_geometry(), 1, 0.25, 0,
+                                      special_mask(ids, core.config.special_token_ids))  # fmt: skip
+    torch.testing.assert_close(got, core.indexer.scores(1, feats[None])[0])
+    assert got.shape == (20,)
