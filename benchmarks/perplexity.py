@@ -2,7 +2,8 @@
 
 Documents are the essays held out from proxy training (``core_kv.eval.fidelity``'s ``essays`` source, whitespace
 collapsed), cut into non-overlapping windows of ``--length`` tokens after the tokenizer's bos (if any); perplexity is
-``exp(mean NLL)`` over every predicted token of every window. Usage::
+``exp(mean NLL)`` over every predicted token of every window. The LM head runs on 256 positions at a time (a
+262k-token vocabulary's logits for 2k positions would take 2 GB). Usage::
 
     .venv/bin/python benchmarks/perplexity.py --model smollm2-135m --length 2048 --windows 8
 """
@@ -14,6 +15,8 @@ import math
 import re
 
 import torch
+
+BLOCK = 256  # positions whose logits are materialised at once
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -34,6 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     ids = tok.encode(text, add_special_tokens=False)
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     step = args.length - len(bos)
+    cap = getattr(model.config, "final_logit_softcapping", None)
     nll, count = 0.0, 0
     with torch.no_grad():
         for w in range(args.windows):
@@ -41,8 +45,12 @@ def main(argv: list[str] | None = None) -> dict:
             if len(chunk) < step:
                 break
             x = torch.tensor([bos + chunk])
-            logits = model(x).logits[0, :-1].float()
-            nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            hidden = model.model(input_ids=x).last_hidden_state[0, :-1]
+            for b in range(0, hidden.shape[0], BLOCK):  # BLOCK positions of logits at a time (Gemma: 262k vocab)
+                logits = model.lm_head(hidden[b : b + BLOCK]).float()
+                if cap:  # the model's final-logit softcap (Gemma 2), as its forward applies it
+                    logits = torch.tanh(logits / cap) * cap
+                nll += float(torch.nn.functional.cross_entropy(logits, x[0, b + 1 : b + 1 + BLOCK], reduction="sum"))
             count += x.shape[1] - 1
     ppl = math.exp(nll / count)
     print(

@@ -21,7 +21,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from core_kv.config import check_value, shown
-from core_kv.models.cache import cache_kwarg, crop_cache, kv_bytes, layer_lengths
+from core_kv.models.attention import new_cache
+from core_kv.models.cache import cache_kwarg, cache_marks, crop_cache, kv_bytes
 from core_kv.models.loading import check_context_window
 from core_kv.presses.base import BasePress
 
@@ -91,7 +92,7 @@ def prefill(
         raise ValueError(f"context_ids must be (B, N) with N > 0, got {tuple(context_ids.shape)}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    cache = cache if cache is not None else DynamicCache()
+    cache = cache if cache is not None else new_cache(model)  # window layers keep <= W - 1 positions
     device = next(model.parameters()).device
     context_ids = context_ids.to(device)
     n = context_ids.shape[1]
@@ -136,7 +137,7 @@ def greedy_answer(
     device = next(model.parameters()).device
     eos = set(eos_token_ids if eos_token_ids is not None else _eos_ids(model))
     stop = set(stop_token_ids or ())
-    before = [layer_lengths(layer) for layer in cache.layers]
+    before = cache_marks(cache)
     q = question_ids.to(device)
     pos = context_length
     generated: list[int] = []

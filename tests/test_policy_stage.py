@@ -167,11 +167,15 @@ def test_stage_resumes_from_its_cached_scores_and_refreshes_them_for_new_weights
     assert n == 4 * (1 + 2 * 2)  # 4 prompts x (full cache + 2 ratios x 2 candidates)
     second = stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
     assert len(calls) == n and second.candidates == first.candidates  # everything came from the cache
+    more = PolicyStageConfig(**{**SMALL, "candidates": [{}, {"memory": False}, {"repair": True}]})
+    third = stage.run_policy_stage(more, art, llama, tok, tmp_path / "work", progress=False)
+    assert len(calls) == n + 4 * 2  # a candidate added: only its 2 ratios x 4 prompts scored, the rest kept
+    assert {r: rows[:2] for r, rows in third.candidates.items()} == first.candidates
     core = CoreModel.from_pretrained(art)
     core.indexer.temperature.fill_(3.0)
     core.save_pretrained(art)
     stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
-    assert len(calls) == 2 * n  # other weights: every score recomputed
+    assert len(calls) == 2 * n + 4 * 2  # other weights: every score recomputed
 
 
 def test_candidate_grid_and_bad_policy_options():

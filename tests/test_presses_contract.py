@@ -7,7 +7,9 @@ reason, the tests about what a compression keeps.
 Budgets are exact per head (ratio and absolute forms; per-head sums for per-head methods), kept positions are the
 top-scored ones, protected positions survive, hooks always come off, ratio 0 and budgets >= the context change
 nothing, bad options raise ``ValueError``, unsupported architectures raise. Plus: the ragged attention path against
-a hand-written per-head softmax, decode-time eviction bounds, chunked prefill, and Mistral/Qwen2/Phi3 smoke runs.
+a hand-written per-head softmax, decode-time eviction bounds, chunked prefill, and Mistral/Qwen2/Phi3/Gemma 2 smoke
+runs. On Gemma 3 (sliding-window layers alternating with global ones) the budgets hold on the global layers and every
+window layer keeps exactly its window (W - 1 positions), untouched.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from transformers import DynamicCache
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import capture
 from core_kv.geometry import model_fingerprint
-from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa
+from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa, window_layers
 from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.models.tiny import FAMILIES, tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
@@ -51,7 +53,9 @@ CORE_NAMES = {name for name, cls in PRESSES.items() if issubclass(cls, CorePress
 
 
 def tiny(arch: str, eager: bool = False) -> torch.nn.Module:
-    """A 2-layer GQA model (4 query / 2 KV heads) of ``arch``, seeded, cached per (arch, attention)."""
+    """A 2-layer GQA model (4 query / 2 KV heads) of ``arch``, seeded, cached per (arch, attention). Gemma 2 runs eager
+    (transformers' SDPA path drops its logit softcap)."""
+    eager = eager or arch == "gemma2"
     if (arch, eager) not in _MODELS:
         _MODELS[arch, eager] = tiny_lm(arch, 0, "eager" if eager else "sdpa", **COMMON)
     return _MODELS[arch, eager]
@@ -138,7 +142,12 @@ def no_hooks(model: torch.nn.Module) -> bool:
 # Budgets and selection
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def check_window_layer(layer: list[int], window: int, n: int) -> None:
+    """A sliding-window layer keeps exactly its window: min(n, W - 1) positions per head (presses leave it alone)."""
+    assert layer == [min(n, window - 1)] * len(layer), f"window layer holds {layer}, its window is {window}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("form", [{"compression_ratio": 0.5}, {"budget": 50}], ids=["ratio", "budget"])
 @pytest.mark.parametrize("name", NAMES)
 def test_budget_exact_and_top_scored(name, form, arch):
@@ -152,7 +161,12 @@ def test_budget_exact_and_top_scored(name, form, arch):
     cache = prefill(model, ids(), press)
     lengths = kv_bytes(cache)["tokens_per_head"]
     hkv = COMMON["num_key_value_heads"]
+    windows = window_layers(model)
+    assert bool(windows) == (arch == "gemma3")
     for layer, attn in enumerate(attention_modules(model)):
+        if layer in windows:
+            check_window_layer(lengths[layer], windows[layer], N_CTX)
+            continue
         target = press.layer_target(attn, N_CTX)
         assert target <= N_CTX and (form.get("budget") is None or name == "pyramidkv" or target == 50)
         per_head = lengths[layer]
@@ -162,7 +176,7 @@ def test_budget_exact_and_top_scored(name, form, arch):
             assert sum(per_head) == hkv * target and min(per_head) >= 1, f"layer {layer}: {per_head}"
     if type(press).compress is not ScorerPress.compress or type(press)._post_hook is not BasePress._post_hook:
         return  # the press composes its own selection (a repair pass, CORE's event); the budget above is the contract
-    assert len(calls) == COMMON["num_hidden_layers"]
+    assert len(calls) == COMMON["num_hidden_layers"] - len(windows)  # one event per global layer
     for scores, kept, n_kept, _ in calls:
         rows = kept_rows(kept)
         if type(press).select is ScorerPress.select:
@@ -205,10 +219,11 @@ def test_protected_positions_kept(name):
 # Hooks, no-ops, validation
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("name", NAMES)
-def test_hooks_removed_even_when_forward_raises(name):
-    press = build_press(name, compression_ratio=0.5) if can_compress(name) else build_press(name)
-    model = model_for(press)
+def test_hooks_removed_even_when_forward_raises(name, arch):
+    press = build_press(name, arch, compression_ratio=0.5) if can_compress(name) else build_press(name)
+    model = model_for(press, arch)
     prefill(model, ids(80), press)
     assert no_hooks(model)
     with pytest.raises(ValueError, match="KV cache"):
@@ -409,15 +424,22 @@ def test_chunked_prefill_keeps_the_budget(name):
 # Other families
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "phi3"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "phi3", "gemma2"])
 @pytest.mark.parametrize("name", NAMES)
 def test_other_families_smoke(name, arch):
     press = build_press(name, arch, compression_ratio=0.5) if can_compress(name) else build_press(name)
     model = tiny(arch, eager=bool(press.needs_attentions))
     cache = prefill(model, ids(96), press)
     per_head = kv_bytes(cache)["tokens_per_head"]
-    for layer, attn in zip(per_head, attention_modules(model), strict=True):
-        assert sum(layer) == len(layer) * press.layer_target(attn, 96) if can_compress(name) else layer == [96, 96]
+    windows = window_layers(model)
+    assert bool(windows) == (arch == "gemma2")
+    for i, (layer, attn) in enumerate(zip(per_head, attention_modules(model), strict=True)):
+        if i in windows:
+            check_window_layer(layer, windows[i], 96)
+        elif can_compress(name):
+            assert sum(layer) == len(layer) * press.layer_target(attn, 96)
+        else:
+            assert layer == [96, 96]
     answer = greedy_answer(model, cache, 96, ids(4, seed=6), 2, press, eos_token_ids=[])
     assert len(answer) == 2
 

@@ -531,7 +531,7 @@ def test_a_second_run_with_other_methods_reports_every_finished_cell(clean_run, 
     stored = json.loads((out / "results.json").read_text())
     assert [(c["method"], c["ratio"]) for c in stored["cells"]] == got
     report = (out / "report.md").read_text()
-    for row in ("| full (reference) |", "| knorm |", "| snapkv |", "| streaming_llm |"):
+    for row in ("| full (reference)", "| knorm |", "| snapkv |", "| streaming_llm |"):
         assert row in report
     assert report.count("| knorm | ") == 3  # the grid row and one detail row per ratio
     assert "| streaming_llm | 0.75 |" in report and "| 0.25 | 0.50 | 0.75 |" in report

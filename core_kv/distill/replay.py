@@ -41,7 +41,7 @@ from torch import nn
 from core_kv.budget import budget_split, protected_mask, top_free
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
 from core_kv.geometry import Geometry
-from core_kv.models.attention import LayerQKV, attention_inputs, attention_modules, layer_qkv
+from core_kv.models.attention import LayerQKV, attention_inputs, attention_modules, layer_qkv, window_layers
 from core_kv.teacher.config import layer_lam
 from core_kv.teacher.solver import solve_allocation
 from core_kv.teacher.utility import future_utilities, normalise
@@ -83,6 +83,8 @@ def capture(model: nn.Module, ids: torch.Tensor, autocast=None, inputs: dict | N
 
     with attention_inputs(model, keep), autocast if autocast is not None else nullcontext():
         getattr(model, "model", model)(input_ids=ids, use_cache=False)
+    for i, w in window_layers(model).items():  # presses never compress them: replay_layer gives them no event
+        acts[i].window = w
     return [acts[i] for i in range(len(attention_modules(model)))]
 
 
@@ -114,12 +116,16 @@ def cascade_capture(
     readout). The module's own attention is computed and discarded (the hook replaces its output)."""
     acts: dict[int, LayerQKV] = {}
     modules = attention_modules(model)
+    windows = window_layers(model)
 
     def hook(layer: int):
         def post(module, args, kwargs, output):
             hs = kwargs.get("hidden_states", args[0] if args else None)
             a = layer_qkv(module, hs, kwargs["position_embeddings"])
             acts[layer] = a
+            if layer in windows:  # a window layer is not compressed: the model's own (windowed) output stands
+                a.window = windows[layer]
+                return output
             hkv, t_len, _ = a.k_pre.shape
             allowed = retained_attention_mask(replay(layer, a), hkv, t_len, a.k_pre.device)
             g = a.groups
@@ -239,6 +245,8 @@ def replay_layer(
     """
     if spec.policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {spec.policy!r}")
+    if acts.window is not None:  # a sliding-window layer keeps its window at inference: nothing to replay or learn
+        return []
     timer = timer or Timer("cpu")
     dev = acts.k_pre.device
     hkv, t_len, d = acts.k_pre.shape

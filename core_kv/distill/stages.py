@@ -89,8 +89,8 @@ def calibrate(tr: RunContext) -> dict:
     res = {
         "temperature": temps,
         "per_layer": per_layer,
-        "before": sum(s["before"] * s["n"] for s in per_layer) / max(n, 1),
-        "after": sum(s["after"] * s["n"] for s in per_layer) / max(n, 1),
+        "before": sum(s["before"] * s["n"] for s in per_layer if s["n"]) / max(n, 1),  # n = 0: a window layer
+        "after": sum(s["after"] * s["n"] for s in per_layer if s["n"]) / max(n, 1),
         "docs": cfg.calib_docs,
     }
     if tr.main:

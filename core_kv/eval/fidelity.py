@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core_kv.eval.schema import Sample, ratio_label
-from core_kv.models.cache import cache_kwarg, crop_cache, kv_bytes, layer_lengths
+from core_kv.models.cache import cache_kwarg, cache_marks, crop_cache, kv_bytes
 from core_kv.pipeline import prefill
 from core_kv.presses.base import BasePress
 
@@ -345,7 +345,7 @@ def evaluate_fidelity_context(
             reference[key] = full_reference(model, ctx, cont)
         if cache is None or ctx != cached_ctx or (press is not None and press.decoding):
             cache = prefill(model, torch.tensor([ctx]), press, chunk_size)
-            cached_ctx, before = ctx, [layer_lengths(layer) for layer in cache.layers]
+            cached_ctx, before = ctx, cache_marks(cache)
             payload = kv_bytes(cache)["total"]
             aux = press.aux_bytes() if press is not None else 0
         test = continuation_logprobs(model, cache, len(ctx), torch.tensor([cont[:-1]]), press)

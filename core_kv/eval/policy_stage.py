@@ -75,10 +75,13 @@ def choose(results: list[tuple[PolicyOptions, dict]]) -> PolicyOptions:
 
 
 def stage_key(cfg: PolicyStageConfig, artifact: Path, prompts) -> dict:
-    """What the stage's cached results depend on: its options, the artifact's weights, the prompts' text."""
+    """What the stage's cached results depend on: its options, the artifact's weights, the prompts' text. Not the
+    candidates or the ratios: each (ratio, candidate) result is cached under its own name, so adding or removing a
+    candidate keeps the scores already computed."""
     weights = hashlib.sha256((artifact / "model.safetensors").read_bytes()).hexdigest()[:16]
     text = hashlib.sha256(json.dumps([asdict(p) for p in prompts]).encode()).hexdigest()[:16]
-    return {"options": to_dict(cfg), "weights": weights, "prompts": text}
+    options = {k: v for k, v in to_dict(cfg).items() if k not in ("candidates", "ratios")}
+    return {"options": options, "weights": weights, "prompts": text}
 
 
 def run_policy_stage(

@@ -1,7 +1,17 @@
 """Per-family attention access and the attention function that reads per-head (ragged) caches exactly.
 
-Supported families: Llama, Mistral, Qwen2, Qwen3 (q/k RMSNorm before RoPE) and Phi3 (fused ``qkv_proj``,
-partial rotary). Anything else raises :class:`UnsupportedModelError` rather than computing a wrong result.
+Supported families are the entries of :data:`FAMILIES` (one :class:`Family` per attention class): Llama, Mistral,
+Qwen2, Qwen3 (q/k RMSNorm before RoPE), Phi3 (fused ``qkv_proj``, partial rotary), Gemma 2 (``query_pre_attn_scalar``,
+logit softcapping, sliding-window layers) and Gemma 3 (q/k norms, a RoPE base per layer type, sliding-window layers).
+What differs between families is data, not code: the helpers below read the entry, the module's own ``scaling``
+(``query_pre_attn_scalar ** -0.5`` for Gemma), its ``attn_logit_softcapping`` when set, and its sliding window.
+Anything else raises :class:`UnsupportedModelError` rather than computing a wrong result.
+
+**Window layers** (:func:`window_layers`): a layer whose attention the model restricts to a sliding window of W
+positions (Gemma 2/3's ``sliding_attention`` layers, Qwen2/3's lower layers with ``use_sliding_window``, Mistral's
+every layer when ``config.sliding_window`` is set). The model's own cache (:func:`~core_kv.models.cache.new_cache`)
+keeps at most W - 1 positions there, whatever the context length. Presses compress the other (global) layers only
+(:func:`press_layers`; the rule and its measurements: ``docs/presses.md`` "Sliding-window layers").
 
 The ragged attention path (``core_kv+<base>``, e.g. ``core_kv+sdpa``) is registered with transformers'
 ``AttentionInterface``: for an ordinary rectangular cache it calls the base implementation unchanged; for a
@@ -11,6 +21,7 @@ The ragged attention path (``core_kv+<base>``, e.g. ``core_kv+sdpa``) is registe
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,13 +30,43 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from core_kv.models.cache import RaggedKV
 
-SUPPORTED_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "Phi3Attention")
+
+@dataclass(frozen=True)
+class Family:
+    """How core_kv reads one attention class; a new family with the same mechanics is one more :data:`FAMILIES` entry.
+
+    What every family shares is read from the module itself: ``scaling`` (the factor on ``q · k``),
+    ``attn_logit_softcapping`` (when set) and ``sliding_window`` (``None`` on a global layer).
+
+    Args:
+        fused_qkv: Q, K and V come from one ``qkv_proj`` (Phi3), else ``q_proj``/``k_proj``/``v_proj``.
+        qk_norm: the model applies ``q_norm``/``k_norm`` (per head, over D) to Q and K before RoPE (Qwen3, Gemma 3).
+        rope_layer_type: the model's ``rotary_emb(x, position_ids, layer_type)`` has a RoPE per layer type (Gemma 3:
+            base 10k in sliding layers, 1M in global ones); the type is ``config.layer_types[layer_idx]``.
+    """
+
+    fused_qkv: bool = False
+    qk_norm: bool = False
+    rope_layer_type: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaAttention": Family(),
+    "MistralAttention": Family(),
+    "Qwen2Attention": Family(),
+    "Qwen3Attention": Family(qk_norm=True),
+    "Phi3Attention": Family(fused_qkv=True),
+    "Gemma2Attention": Family(),
+    "Gemma3Attention": Family(qk_norm=True, rope_layer_type=True),
+}
+SUPPORTED_ATTENTION = tuple(FAMILIES)
 PREFIX = "core_kv+"
 
 
@@ -52,6 +93,103 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in decoder_layers(model)]
 
 
+def family(module: nn.Module) -> Family:
+    """The :data:`FAMILIES` entry of an attention module (``UnsupportedModelError`` for any other class)."""
+    name = type(module).__name__
+    if name not in FAMILIES:
+        raise UnsupportedModelError(f"attention class {name} is not supported (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def sliding_window(module: nn.Module) -> int | None:
+    """The sliding window W the model restricts this attention module to (its ``sliding_window`` attribute), ``None``
+    for a global (full-attention) layer."""
+    family(module)
+    window = getattr(module, "sliding_window", None)
+    return int(window) if window else None
+
+
+def window_layers(model: nn.Module) -> dict[int, int]:
+    """``{layer index: W}`` of a hybrid model's sliding-window layers (Gemma 2/3: five of every six).
+
+    Empty for a model with global attention only, and for one whose every layer has the window (Mistral-7B-v0.1's
+    and Phi-3-mini-4k's ``config.sliding_window`` apply to every layer, and their classes carry no per-layer
+    window): such a model is compressed in every layer with a plain ``DynamicCache``, as before window layers
+    were supported.
+    """
+    windows = {i: w for i, attn in enumerate(attention_modules(model)) if (w := sliding_window(attn)) is not None}
+    return {} if len(windows) == len(attention_modules(model)) else windows
+
+
+def press_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers a press compresses: the global ones. Window layers keep their window (at most W - 1
+    positions in the model's own cache; ``docs/presses.md`` "Sliding-window layers")."""
+    windows = window_layers(model)
+    return [layer for i, layer in enumerate(decoder_layers(model)) if i not in windows]
+
+
+def new_cache(model: nn.Module) -> DynamicCache:
+    """The empty cache the model itself would build: for a hybrid model (:func:`window_layers`) a ``DynamicCache``
+    from its config, whose window layers are ``DynamicSlidingWindowLayer`` s storing at most W - 1 positions; else a
+    plain ``DynamicCache`` of ``DynamicLayer`` s (what presses compress).
+
+    Raises:
+        UnsupportedModelError: the config's cache layout disagrees with the attention modules' windows.
+    """
+    windows = window_layers(model)
+    if not windows:
+        return DynamicCache()
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cache = DynamicCache(config=config)
+    got = {
+        i: layer.sliding_window for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer)
+    }
+    if got != windows:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: the cache built from its config has window layers {got}, its attention modules "
+            f"{windows}; core_kv cannot tell which layers keep a window"
+        )
+    return cache
+
+
+def attention_scale(module: nn.Module) -> float:
+    """The factor on ``q · k`` in the model's attention: ``module.scaling`` (``head_dim ** -0.5``, or
+    ``query_pre_attn_scalar ** -0.5`` for Gemma)."""
+    return float(getattr(module, "scaling", module.head_dim**-0.5))
+
+
+def logit_softcap(module: nn.Module) -> float | None:
+    """``attn_logit_softcapping`` of the module when its config sets one (Gemma 2: 50), else ``None``."""
+    cap = getattr(module, "attn_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def attention_logits(module: nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The model's attention logits ``q @ k^T``, scaled and softcapped as the module does, ``(..., T, S)``.
+
+    ``q`` ``(..., T, D)``, ``k`` ``(..., S, D)`` (post-RoPE). With the default scale it divides by ``sqrt(D)``, the
+    form kvpress's presses use (bit-identical scores to before this helper for Llama-like families)."""
+    logits = q @ k.transpose(-1, -2)
+    d = q.shape[-1]
+    scale = attention_scale(module)
+    logits = logits / math.sqrt(d) if scale == d**-0.5 else logits * scale
+    cap = logit_softcap(module)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def layer_rotary(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple]:
+    """``rope(module, x, position_ids) -> (cos, sin)``: the RoPE the model applies in ``module``'s layer at
+    ``position_ids`` ``(1, N)`` (per layer type where the family has one: Gemma 3's sliding vs global bases)."""
+    rotary = getattr(model, "model", model).rotary_emb
+
+    def rope(module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if family(module).rope_layer_type:
+            return rotary(x, position_ids, module.config.layer_types[module.layer_idx])
+        return rotary(x, position_ids)
+
+    return rope
+
+
 def model_dims(model: nn.Module) -> dict:
     """Layer/head geometry: ``{"layers", "heads", "kv_heads", "head_dim", "groups"}``."""
     attn = attention_modules(model)[0]
@@ -73,7 +211,7 @@ def _family(module: nn.Module):
 
 def _split_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw Q, K, V projections ``(B, T, H*D)``, ``(B, T, Hkv*D)``, ``(B, T, Hkv*D)``."""
-    if hasattr(module, "qkv_proj"):  # Phi3
+    if family(module).fused_qkv:  # Phi3
         qkv = module.qkv_proj(hidden_states)
         q_end = module.config.num_attention_heads * module.head_dim
         kv = module.num_key_value_heads * module.head_dim
@@ -82,10 +220,10 @@ def _split_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Te
 
 
 def prerope_queries(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Queries before RoPE (after q_norm for Qwen3), ``(B, H, T, D)``."""
+    """Queries before RoPE (after q_norm for Qwen3 and Gemma 3), ``(B, H, T, D)``."""
     b, t, _ = hidden_states.shape
     q = _split_qkv(module, hidden_states)[0].view(b, t, -1, module.head_dim)
-    if hasattr(module, "q_norm"):
+    if family(module).qk_norm:
         q = module.q_norm(q)
     return q.transpose(1, 2)
 
@@ -96,16 +234,16 @@ def prerope_queries_from_projection(module: nn.Module, projected: torch.Tensor) 
     forward hook on the projection sees, without a second projection."""
     b, t, _ = projected.shape
     q = projected[..., : module.config.num_attention_heads * module.head_dim].view(b, t, -1, module.head_dim)
-    if hasattr(module, "q_norm"):
+    if family(module).qk_norm:
         q = module.q_norm(q)
     return q.transpose(1, 2)
 
 
 def prerope_keys(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Keys before RoPE (after k_norm for Qwen3), ``(B, Hkv, T, D)``."""
+    """Keys before RoPE (after k_norm for Qwen3 and Gemma 3), ``(B, Hkv, T, D)``."""
     b, t, _ = hidden_states.shape
     k = _split_qkv(module, hidden_states)[1].view(b, t, -1, module.head_dim)
-    if hasattr(module, "k_norm"):
+    if family(module).qk_norm:
         k = module.k_norm(k)
     return k.transpose(1, 2)
 
@@ -144,6 +282,7 @@ class LayerQKV:
     q_post: torch.Tensor  # (H, T, D)
     k_post: torch.Tensor  # (Hkv, T, D)
     scaling: float
+    window: int | None = None  # a hybrid model's sliding-window layer (never compressed; training skips it)
 
     @property
     def groups(self) -> int:
@@ -159,7 +298,7 @@ def layer_qkv(module: nn.Module, hidden_states: torch.Tensor, position_embedding
     return LayerQKV(
         q_pre[0].float(), k_pre[0].float(), v[0].float(),
         apply_rope(module, q_pre, position_embeddings)[0].float(), apply_rope(module, k_pre, position_embeddings)[0].float(),
-        float(getattr(module, "scaling", module.head_dim**-0.5)),
+        attention_scale(module),
     )  # fmt: skip
 
 
@@ -191,6 +330,7 @@ def ragged_sdpa(
     query: torch.Tensor,
     kv: RaggedKV,
     scaling: float | None = None,
+    softcap: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention of ``query`` ``(1, H, T, D)`` over a ragged cache; returns ``(1, T, H, D)`` and, with
@@ -202,7 +342,9 @@ def ragged_sdpa(
     call per KV head (no mask, no repeated keys).
 
     One call per KV head rather than one call per layer: see docs/presses.md ("Exact per-head budgets") for the
-    one-call layouts measured against it (pages merged by log-sum-exp; heads padded to the longest).
+    one-call layouts measured against it (pages merged by log-sum-exp; heads padded to the longest). ``softcap``
+    (Gemma 2's ``attn_logit_softcapping``) caps the logits as the model's eager attention does,
+    ``cap · tanh(logits / cap)``, which SDPA cannot, so a softcapped model's heads run unfused.
     """
     layer = kv.layer
     b, h, t, d = query.shape
@@ -220,7 +362,7 @@ def ragged_sdpa(
         keys, values = layer.head(kv_head)  # (L_h, D) views
         if t == 1:  # the G queries as rows of one sequence: (1, 1, G, D) over (1, 1, L_h, D)
             o, s = _attention(
-                q[kv_head].view(1, 1, g, d), keys[None, None], values[None, None], None, scale, return_lse
+                q[kv_head].view(1, 1, g, d), keys[None, None], values[None, None], None, scale, return_lse, softcap
             )
         else:
             n = keys.shape[0]
@@ -237,6 +379,7 @@ def ragged_sdpa(
                 mask[None, None],
                 scale,
                 return_lse,
+                softcap,
             )
         out[kv_head] = o.view(g, t, d)
         if return_lse:
@@ -248,8 +391,17 @@ def ragged_sdpa(
 _CPU_KERNEL = True  # tests switch it off to check the device-independent path on CPU
 
 
-def _attention(q, k, v, mask, scale: float, with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(softmax(q kᵀ · scale + mask) v, log-partition or None)`` for ``(1, n, R, D)`` rows over ``(1, n, L, D)``."""
+def _attention(
+    q, k, v, mask, scale: float, with_lse: bool, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(softmax(q kᵀ · scale + mask) v, log-partition or None)`` for ``(1, n, R, D)`` rows over ``(1, n, L, D)``;
+    with ``softcap`` the logits are ``cap · tanh(logits / cap)`` before the mask (unfused, as eager attention)."""
+    if softcap:
+        logits = torch.tanh((q.float() @ k.float().mT) * scale / softcap) * softcap
+        if mask is not None:
+            logits = logits + mask.float()
+        out = (torch.softmax(logits, dim=-1) @ v.float()).to(q.dtype)
+        return out, (logits.logsumexp(-1) if with_lse else None)
     if q.device.type == "cpu" and _CPU_KERNEL:  # the CPU flash kernel returns the log-partition with the output
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=mask, scale=scale
@@ -271,9 +423,10 @@ def _make_wrapper(base: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if isinstance(key, RaggedKV):
             sink = module.__dict__.get(LSE_SINK) if query.shape[2] == 1 else None
+            softcap = kwargs.get("softcap")
             if sink is None:
-                return ragged_sdpa(module, query, key, scaling), None
-            out, sink["lse"] = ragged_sdpa(module, query, key, scaling, return_lse=True)  # CORE's readout reads it
+                return ragged_sdpa(module, query, key, scaling, softcap), None
+            out, sink["lse"] = ragged_sdpa(module, query, key, scaling, softcap, return_lse=True)  # CORE's readout
             return out, None
         if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
             # transformers builds one mask from layer 0's cache length; layers compressed to other lengths
@@ -288,6 +441,7 @@ def _make_wrapper(base: str):
             and not dropout
             and attention_mask is None  # no padding, no sliding window: the one query sees every cached key
             and kwargs.get("sliding_window") is None
+            and not kwargs.get("softcap")
         ):
             # one new query per head (a decode step) for a press that wants its log-partition (CORE's readout):
             # the CPU/GPU flash kernel returns it with the output, so the press does not recompute q·K; the G query

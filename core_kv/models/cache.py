@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 
 def cache_from_kwargs(kwargs: dict) -> Cache | None:
@@ -43,18 +43,23 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def check_cache_supported(cache: Cache) -> None:
-    """Raise for cache types whose layers we cannot rewrite exactly (quantized, static, sliding, offloaded)."""
+def check_cache_supported(cache: Cache, layer: int | None = None) -> None:
+    """Raise for cache types whose layers we cannot rewrite exactly (quantized, static, offloaded).
+
+    Sliding-window layers (``DynamicSlidingWindowLayer``) are accepted where presses leave them alone (every layer
+    but ``layer``, the one about to be compressed): they keep their window."""
     if type(cache) is not DynamicCache and not isinstance(cache, DynamicCache):
         raise TypeError(
             f"core_kv presses need a transformers DynamicCache, got {type(cache).__name__}: static, quantized and "
             "offloaded caches cannot be resized per head"
         )
-    for i, layer in enumerate(cache.layers):
-        if type(layer) not in (DynamicLayer, RaggedLayer):
+    for i, lay in enumerate(cache.layers):
+        allowed = (DynamicLayer, RaggedLayer) if i == layer else (DynamicLayer, RaggedLayer, DynamicSlidingWindowLayer)
+        if type(lay) not in allowed:
             raise TypeError(
-                f"cache layer {i} is a {type(layer).__name__}; core_kv presses support DynamicLayer only "
-                "(sliding-window or quantized layers would silently drop or corrupt kept tokens)"
+                f"cache layer {i} is a {type(lay).__name__}; core_kv presses compress DynamicLayer only "
+                "(quantized layers would silently drop or corrupt kept tokens; a sliding-window layer keeps its "
+                "window and is not compressed)"
             )
 
 
@@ -296,9 +301,49 @@ def kv_bytes(cache: Cache) -> dict:
     }
 
 
-def crop_cache(cache: Cache, lengths: list[torch.Tensor]) -> None:
-    """Trim every layer back to the per-head ``lengths`` it had (drops question/answer tokens after a question)."""
+@dataclass
+class WindowMark:
+    """A sliding-window layer's state at a mark: its window slides as tokens are appended (old positions leave it),
+    so trimming back means restoring the stored tensors, not cropping them."""
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    cumulative_length: int
+    is_initialized: bool
+
+
+def cache_marks(cache: Cache) -> list:
+    """What :func:`crop_cache` needs to trim the cache back to now: tokens per head of every layer, and the stored
+    window of every sliding-window layer (references only: appending never modifies the stored tensors in place)."""
+    return [
+        WindowMark(layer.keys, layer.values, layer.cumulative_length, layer.is_initialized)
+        if isinstance(layer, DynamicSlidingWindowLayer)
+        else layer_lengths(layer)
+        for layer in cache.layers
+    ]
+
+
+def crop_cache(cache: Cache, lengths: list) -> None:
+    """Trim every layer back to the per-head ``lengths`` it had (drops question/answer tokens after a question).
+
+    ``lengths``: :func:`cache_marks` (or, for a cache without sliding-window layers, ``layer_lengths`` per layer).
+
+    Raises:
+        ValueError: a sliding-window layer given a plain length whose window has moved since (take
+            :func:`cache_marks` before appending instead).
+    """
     for layer, n in zip(cache.layers, lengths, strict=True):
+        if isinstance(n, WindowMark):
+            layer.keys, layer.values = n.keys, n.values
+            layer.cumulative_length, layer.is_initialized = n.cumulative_length, n.is_initialized
+            continue
+        if isinstance(layer, DynamicSlidingWindowLayer) and layer.cumulative_length >= layer.sliding_window:
+            if layer.cumulative_length != int(n[0]):
+                raise ValueError(
+                    f"cannot trim a sliding-window cache layer (window {layer.sliding_window}) from a length: its "
+                    "window moved; take core_kv.models.cache.cache_marks(cache) before appending"
+                )
+            continue
         extra = int(layer_lengths(layer)[0] - n[0])
         if extra > 0:
             layer.crop(-extra)

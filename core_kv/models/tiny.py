@@ -30,6 +30,21 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    # Gemma 3 (Gemma-3-270M's mechanics): q/k norms, a RoPE base per layer type, query_pre_attn_scalar != head_dim
+    # (so a 1/sqrt(D) shortcut shows), and sliding-window layers (window 48 < the tests' contexts) alternating with
+    # global ones (Gemma-3-270M: 5 sliding per global, window 512).
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 48, "sliding_window_pattern": 2},
+    ),
+    # Gemma 2: the same without q/k norms, one RoPE, and attention-logit softcapping (run it with eager attention:
+    # transformers' SDPA path ignores the softcap).
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 48, "attn_logit_softcapping": 5.0},
+    ),
 }
 
 

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from core_kv.budget import kept_tokens, protected_split
-from core_kv.models.attention import decoder_layers, ragged_attention
+from core_kv.models.attention import press_layers, ragged_attention
 from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported, layer_lengths
 from core_kv.presses.options import check_press_options, claim, release
 
@@ -282,7 +282,7 @@ class BasePress:
             n_kept = min(base, size)
         else:
             return output
-        check_cache_supported(cache)
+        check_cache_supported(cache, idx)
         if isinstance(layer, RaggedLayer):
             keys, values, _ = layer.padded()
             self.check_inputs(module, keys, values)  # padding is zeros
@@ -324,8 +324,11 @@ class BasePress:
 
     @contextmanager
     def __call__(self, model: nn.Module):
-        """Install the hooks on every attention layer of ``model``; they are removed on exit, whatever happens."""
-        layers = decoder_layers(model)
+        """Install the hooks on every attention layer of ``model``; they are removed on exit, whatever happens.
+
+        Sliding-window layers of a hybrid model (Gemma 2/3) get no hooks: they keep their window (the rule lives in
+        :func:`~core_kv.models.attention.press_layers`; ``docs/presses.md`` "Sliding-window layers")."""
+        layers = press_layers(model)
         if self.needs_attentions and model.config._attn_implementation != "eager":
             raise ValueError(
                 f"{type(self).__name__} scores from observed attention weights: load the model with "

@@ -41,7 +41,7 @@ from torch import nn
 
 from core_kv.core_model import CoreModel
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
-from core_kv.models.attention import apply_rope, attention_modules, prerope_queries_from_projection
+from core_kv.models.attention import apply_rope, attention_modules, layer_rotary, prerope_queries_from_projection
 from core_kv.models.cache import layer_lengths
 from core_kv.presses.base import Kept, ScorerPress
 
@@ -241,7 +241,7 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
             self.core.check_base_model(model)  # FingerprintMismatch (a ValueError) for another base model
             self._checked.add(id(model))
         self._core = self.core.to(next(model.parameters()).device)
-        self._rotary = getattr(model, "model", model).rotary_emb
+        self._rotary = layer_rotary(model)  # (module, x, positions) -> cos, sin of that layer's RoPE
         if self._inner is not None:
             self._inner.on_enter(model)
 
@@ -396,7 +396,7 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         x = keys.float()[:, None]  # (Hkv, 1, N, D): heads as the batch
         if positions.shape[0] > 1 and bool((positions == positions[:1]).all()):
             positions = positions[:1]
-        cos, sin = self._rotary(x, positions)  # (Hkv or 1, N, r)
+        cos, sin = self._rotary(module, x, positions)  # (Hkv or 1, N, r)
         return apply_rope(module, x, (cos.float(), -sin.float()))[:, 0]
 
     def _features(self, module, st: ScorerLayer, keys, values, k_pre) -> torch.Tensor:
@@ -406,7 +406,7 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         geo = self.core.geometry()
         hkv, n, d = keys.shape
         g = st.wq_pre.shape[0] // hkv
-        cos, sin = self._rotary(st.wq_pre, st.wpos[None])  # (1, w, r)
+        cos, sin = self._rotary(module, st.wq_pre, st.wpos[None])  # (1, w, r)
         wq_post = apply_rope(module, st.wq_pre[None], (cos.float(), sin.float()))[0].view(hkv, g, -1, d)  # (Hkv,G,w,D)
         wq_pre = st.wq_pre.reshape(hkv, -1, d)
         z = geo.project(idx, k_pre)  # (Hkv, N, d_z)

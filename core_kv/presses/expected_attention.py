@@ -5,13 +5,14 @@ https://arxiv.org/abs/2510.00636; kvpress ``expected_attention_press.py``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core_kv.models.attention import prerope_queries
+from core_kv.models.attention import attention_scale, layer_rotary, prerope_queries
 from core_kv.presses.base import ScorerPress
 from core_kv.presses.window import head_lengths
 
@@ -35,6 +36,10 @@ class ExpectedAttentionPress(ScorerPress, name="expected_attention"):
       kvpress's ``q_len`` at prefill and stays right for chunked prefill and decode-time eviction.
     - Fewer than ``n_sink + 1`` new queries (decoding) use all of them; padding of a ragged cache is masked out of
       the softmax; Phi3's partial rotary rotates only the rotary dimensions (kvpress's matrix assumes full RoPE).
+    - The logit scale is the model's own (``module.scaling``: ``query_pre_attn_scalar ** -0.5`` for Gemma; kvpress
+      divides by ``sqrt(d)``, the same number for every other family), and the RoPE is the layer's own (Gemma 3's
+      global layers rotate with base 1M). A logit softcap (Gemma 2) has no closed form under the Gaussian
+      expectation and is not applied.
 
     Args:
         n_future_positions: future positions the RoPE rotation is averaged over.
@@ -50,7 +55,7 @@ class ExpectedAttentionPress(ScorerPress, name="expected_attention"):
     use_vnorm: bool = True
     epsilon: float = 0.0
 
-    _rotary: nn.Module | None = field(default=None, init=False, repr=False, compare=False)
+    _rotary: Callable | None = field(default=None, init=False, repr=False, compare=False)  # layer_rotary(model)
 
     def validate(self) -> None:
         super().validate()
@@ -60,7 +65,7 @@ class ExpectedAttentionPress(ScorerPress, name="expected_attention"):
             )
 
     def on_enter(self, model: nn.Module) -> None:
-        self._rotary = getattr(model, "model", model).rotary_emb
+        self._rotary = layer_rotary(model)
 
     def _avg_rope(self, module, mu: torch.Tensor, cov: torch.Tensor | None, start: int):
         """Rotate ``mu`` ``(B, H, D)`` and ``cov`` ``(B, H, D, D)`` by RoPE averaged over ``start...+n_future``."""
@@ -68,7 +73,7 @@ class ExpectedAttentionPress(ScorerPress, name="expected_attention"):
             raise ValueError("expected_attention must be used as a context manager (`with press(model):`)")
         d = module.head_dim
         position_ids = torch.arange(start, start + self.n_future_positions, device=mu.device)[None]
-        cos, sin = self._rotary(mu, position_ids)
+        cos, sin = self._rotary(module, mu, position_ids)
         cos, sin = cos[0], sin[0]  # (n, r): r = rotary dims (= d unless partial rotary)
         r = cos.shape[-1]
         eye = torch.eye(r, device=cos.device, dtype=cos.dtype)
@@ -102,9 +107,15 @@ class ExpectedAttentionPress(ScorerPress, name="expected_attention"):
         mu, cov = self._avg_rope(module, mu.squeeze(2), cov, start)
 
         k = keys[:, :, n_sink:].repeat_interleave(groups, dim=1).transpose(2, 3)  # (B, H, D, S')
-        scores = torch.matmul(mu.unsqueeze(2), k).squeeze(2) / math.sqrt(d)  # (B, H, S')
-        if self.use_covariance:
-            scores += torch.einsum("bhin, bhij, bhjn->bhn", k, cov, k) / d / 2
+        scale = attention_scale(module)  # the model's q·k factor: 1/sqrt(d), or query_pre_attn_scalar^-1/2 (Gemma)
+        if scale == d**-0.5:  # kvpress's expressions, bit for bit
+            scores = torch.matmul(mu.unsqueeze(2), k).squeeze(2) / math.sqrt(d)  # (B, H, S')
+            if self.use_covariance:
+                scores += torch.einsum("bhin, bhij, bhjn->bhn", k, cov, k) / d / 2
+        else:
+            scores = torch.matmul(mu.unsqueeze(2), k).squeeze(2) * scale
+            if self.use_covariance:
+                scores += torch.einsum("bhin, bhij, bhjn->bhn", k, cov, k) * (scale * scale / 2)
         lengths = head_lengths(module, keys, kwargs)
         pad = torch.arange(n_sink, s, device=keys.device)[None] >= lengths[:, None]  # (Hkv, S')
         if pad.any():

@@ -19,14 +19,13 @@ the algorithm and are tested against the paper's examples; :class:`TwinKVPress` 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core_kv.models.attention import queries_with_rope
+from core_kv.models.attention import attention_logits, queries_with_rope
 from core_kv.presses.base import BasePress, Kept
 
 SCORINGS = ("twin", "value", "rarity")
@@ -145,7 +144,7 @@ def observation_scores(
     q = queries_with_rope(module, hidden_states[:, -w:], (cos[:, -w:], sin[:, -w:])).float()  # (B, Hq, W, D)
     g = q.shape[1] // hkv
     k = keys.float().repeat_interleave(g, dim=1)  # (B, Hq, N, D)
-    logits = q @ k.transpose(-1, -2) / math.sqrt(d)  # (B, Hq, W, N)
+    logits = attention_logits(module, q, k)  # (B, Hq, W, N): the model's scale (and softcap, Gemma 2)
     qpos = n - w + torch.arange(w, device=keys.device)
     future = torch.arange(n, device=keys.device)[None, :] > qpos[:, None]  # (W, N)
     attn = logits.masked_fill(future, float("-inf")).softmax(dim=-1).mean(dim=2)  # (B, Hq, N)

@@ -4,12 +4,10 @@ valid lengths per KV head and the causal attention of the last queries over the 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from core_kv.models.attention import apply_rope, prerope_queries
+from core_kv.models.attention import apply_rope, attention_logits, prerope_queries
 
 
 def head_lengths(module, keys: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -30,13 +28,13 @@ def window_attention(
     positions). Query ``i`` of KV head ``h`` sees keys ``j <= lengths[h] - window + i``: the new tokens are the
     last entries of every head's valid prefix, so a right-padded ragged cache is masked exactly.
     """
-    _, hkv, s, d = keys.shape
+    _, hkv, s, _ = keys.shape
     groups = module.config.num_attention_heads // hkv
     cos, sin = position_embeddings
     q = prerope_queries(module, hidden_states[:, -window:])  # (B, H, w, D)
     q = apply_rope(module, q, (cos[:, -window:], sin[:, -window:]))
     k = keys.repeat_interleave(groups, dim=1)  # (B, H, S, D)
-    attn = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(d)  # (B, H, w, S)
+    attn = attention_logits(module, q, k)  # (B, H, w, S): the model's scale (and softcap, Gemma 2)
     last = lengths[:, None] - window + torch.arange(window, device=keys.device)[None]  # (Hkv, w)
     hidden = torch.arange(s, device=keys.device)[None, None] > last.repeat_interleave(groups, 0)[..., None]
     attn = attn.masked_fill(hidden[None], float("-inf"))

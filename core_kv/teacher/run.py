@@ -47,7 +47,14 @@ from core_kv.features import (
 from core_kv.files import atomic_write, atomic_write_json, atomic_write_text, read_json
 from core_kv.geometry import Geometry, check_fingerprint, model_fingerprint
 from core_kv.lock import main_process_lock
-from core_kv.models.attention import attention_inputs, attention_modules, layer_qkv, model_dims, prerope_keys
+from core_kv.models.attention import (
+    attention_inputs,
+    attention_modules,
+    layer_qkv,
+    model_dims,
+    prerope_keys,
+    window_layers,
+)
 from core_kv.nystrom import normalised_beta_b
 from core_kv.teacher.config import TeacherConfig
 from core_kv.teacher.dataset import FORMAT, MANIFEST, ShardWriter, TeacherRecord, config_hash
@@ -225,10 +232,13 @@ def record_metrics(cfg: TeacherConfig, pi_u, phi, p_star, n: int, rec: Recorder,
 # Run
 
 
-def _layer_hook(cfg, doc, geometry, rec, writer):
-    """What runs before each attention module's forward: the layer's events (timed as ``_in_hooks``)."""
+def _layer_hook(cfg, doc, geometry, rec, writer, skip=()):
+    """What runs before each attention module's forward: the layer's events (timed as ``_in_hooks``). Layers in
+    ``skip`` (a hybrid model's sliding-window layers, which presses never compress) get none."""
 
     def fn(layer, module, hidden_states, kwargs):
+        if layer in skip:
+            return
         t0 = time.perf_counter()
         process_layer(cfg, module, layer, hidden_states, kwargs["position_embeddings"], doc, geometry, rec, writer)
         rec.time["_in_hooks"] += time.perf_counter() - t0
@@ -313,7 +323,7 @@ def _run_teacher(cfg: TeacherConfig, state) -> dict:
     bar = tqdm(docs, desc=f"teacher[{rank}]", disable=not cfg.progress or not state.is_local_main_process)
     with torch.inference_mode():
         for doc in bar:
-            with attention_inputs(model, _layer_hook(cfg, doc, geometry, rec, writer)):
+            with attention_inputs(model, _layer_hook(cfg, doc, geometry, rec, writer, skip=set(window_layers(model)))):
                 t0 = time.perf_counter()
                 model.model(input_ids=torch.tensor([doc.ids], device=device), use_cache=False)
                 rec.time["_forward_total"] += time.perf_counter() - t0
