@@ -23,7 +23,7 @@ from core_kv.presses.adakv import AdaKVPress
 from core_kv.presses.core import CorePress
 from core_kv.presses.latent_memory import MemoryLayer
 from core_kv.teacher.geometry import fit_geometry
-from tests.conftest import tiny_model
+from tests.conftest import record_core_kept, tiny_model
 
 N = 200
 
@@ -191,14 +191,7 @@ def test_repeated_eviction_never_exceeds_budget_plus_slack(artifact, llama):
 def test_layer0_retained_sets_match_replay(artifact, llama):
     core, path = artifact
     press = press_for(path, compression_ratio=0.5)
-    kept: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    scorer, evicted = press.scorer, press.scorer.evicted
-
-    def recording(module, *args):
-        evicted(module, *args)
-        kept[module.layer_idx].append(scorer._layers[module.layer_idx].pos.clone())
-
-    scorer.evicted = recording
+    kept = record_core_kept(press, (0, 1))
     ctx = ids()
     prefill(llama, ctx, press, chunk_size=64)
     spec = ReplaySpec(chunk_size=64, ratio=0.5, protected_sinks=4, protected_recent=32, policy="student",

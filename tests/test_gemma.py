@@ -16,7 +16,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -47,6 +46,7 @@ from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from core_kv.presses.core import CorePress
 from core_kv.teacher.geometry import fit_geometry
+from tests.conftest import masked_full_cache_logits, record_core_kept
 
 N = 200
 W = 48  # the tiny Gemmas' sliding window (core_kv.models.tiny.FAMILIES)
@@ -203,33 +203,12 @@ def test_compressed_global_layers_answer_like_the_masked_full_model():
     with torch.inference_mode(), press(model):
         got = model(input_ids=question, position_ids=pos, **{cache_kwarg(model): cache}).logits
 
-    fam = transformers.models.gemma3.modeling_gemma3
-    eager = fam.eager_attention_forward
-
-    def masked_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        if module.layer_idx not in kept:
-            return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        k, v = key.repeat_interleave(2, 1), value.repeat_interleave(2, 1)
-        logits = query @ k.transpose(2, 3) * scaling  # (1, H, T, S)
-        t, s = logits.shape[-2:]
-        visible = torch.zeros(2, s, dtype=torch.bool)
-        visible.scatter_(1, kept[module.layer_idx], True)
-        visible[:, N:] = True
-        visible = visible.repeat_interleave(2, 0)[None, :, None] & (
-            torch.arange(s) <= (s - t + torch.arange(t))[:, None]
-        )
-        out = F.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1) @ v
-        return out.transpose(1, 2).contiguous(), None
-
+    keep = {}
+    for layer, rows in kept.items():  # the kept context positions of each KV head, and the question's
+        keep[layer] = torch.zeros(2, N + 5, dtype=torch.bool).scatter_(1, rows, True)
+        keep[layer][:, N:] = True
     full = prefill(model, ids(), None)
-    try:
-        fam.eager_attention_forward = masked_eager
-        model.config._attn_implementation = "eager"
-        with torch.inference_mode():
-            want = model(input_ids=question, position_ids=pos, **{cache_kwarg(model): full}).logits
-    finally:
-        fam.eager_attention_forward = eager
-        model.config._attn_implementation = "sdpa"
+    want = masked_full_cache_logits(model, transformers.models.gemma3.modeling_gemma3, full, keep, question, pos)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -285,14 +264,7 @@ def test_core_retained_sets_on_a_global_layer_match_replay(core_artifact):
     core, path = core_artifact
     model = gemma("gemma3")
     press = CorePress.from_pretrained(path, compression_ratio=0.5)
-    kept: dict[int, list[torch.Tensor]] = {1: [], 3: []}
-    scorer, evicted = press.scorer, press.scorer.evicted
-
-    def recording(module, *args):
-        evicted(module, *args)
-        kept[module.layer_idx].append(scorer._layers[module.layer_idx].pos.clone())
-
-    scorer.evicted = recording
+    kept = record_core_kept(press, (1, 3))
     ctx = ids()
     prefill(model, ctx, press, chunk_size=64)
     spec = ReplaySpec(chunk_size=64, ratio=0.5, protected_sinks=4, protected_recent=32, policy="student",

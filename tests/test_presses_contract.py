@@ -18,7 +18,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from transformers import DynamicCache
 
@@ -34,6 +33,7 @@ from core_kv.presses import build_press as _build_press
 from core_kv.presses.core import CorePress
 from core_kv.presses.twin_repair import TwinRepairPress
 from core_kv.teacher.geometry import fit_geometry
+from tests.conftest import masked_full_cache_logits
 
 NAMES = sorted(PRESSES)
 N_CTX = 200
@@ -348,28 +348,7 @@ def test_ragged_cache_question_matches_masked_dense_model():
             mask[h, row] = True
         mask[:, N_CTX:] = True
         keep[layer] = mask
-    fam = transformers.models.llama.modeling_llama
-    eager = fam.eager_attention_forward
-
-    def masked_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        groups = query.shape[1] // key.shape[1]
-        k = key.repeat_interleave(groups, 1)
-        v = value.repeat_interleave(groups, 1)
-        logits = query @ k.transpose(2, 3) * scaling  # (1, H, T, S)
-        t, s = logits.shape[-2:]
-        visible = keep[module.layer_idx].repeat_interleave(groups, 0)[None, :, None, :s].clone()
-        visible = visible & (torch.arange(s)[None, :] <= (s - t + torch.arange(t))[:, None])[None, None]
-        out = F.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1) @ v
-        return out.transpose(1, 2).contiguous(), None
-
-    try:
-        fam.eager_attention_forward = masked_eager
-        model.config._attn_implementation = "eager"
-        with torch.inference_mode():
-            want = model(input_ids=question, position_ids=pos, **{cache_kwarg(model): full}).logits
-    finally:
-        fam.eager_attention_forward = eager
-        model.config._attn_implementation = "sdpa"
+    want = masked_full_cache_logits(model, transformers.models.llama.modeling_llama, full, keep, question, pos)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

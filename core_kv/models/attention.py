@@ -164,6 +164,11 @@ def logit_softcap(module: nn.Module) -> float | None:
     return float(cap) if cap else None
 
 
+def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap · tanh(logits / cap)`` (Gemma 2's attention-logit softcapping), or ``logits`` when ``cap`` is unset."""
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
 def attention_logits(module: nn.Module, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """The model's attention logits ``q @ k^T``, scaled and softcapped as the module does, ``(..., T, S)``.
 
@@ -173,8 +178,7 @@ def attention_logits(module: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tor
     d = q.shape[-1]
     scale = attention_scale(module)
     logits = logits / math.sqrt(d) if scale == d**-0.5 else logits * scale
-    cap = logit_softcap(module)
-    return logits if cap is None else torch.tanh(logits / cap) * cap
+    return softcapped(logits, logit_softcap(module))
 
 
 def layer_rotary(model: nn.Module) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple]:
@@ -397,7 +401,7 @@ def _attention(
     """``(softmax(q kᵀ · scale + mask) v, log-partition or None)`` for ``(1, n, R, D)`` rows over ``(1, n, L, D)``;
     with ``softcap`` the logits are ``cap · tanh(logits / cap)`` before the mask (unfused, as eager attention)."""
     if softcap:
-        logits = torch.tanh((q.float() @ k.float().mT) * scale / softcap) * softcap
+        logits = softcapped((q.float() @ k.float().mT) * scale, softcap)
         if mask is not None:
             logits = logits + mask.float()
         out = (torch.softmax(logits, dim=-1) @ v.float()).to(q.dtype)
