@@ -84,6 +84,19 @@ def bench_model(model: str | None, shape: str, layers: int | None):
     return build_model(bench_shape(shape, layers))
 
 
+def add_model_args(ap, default_shape: str = "smollm2-135m", feature_spec: int | None = None) -> None:
+    """The model options every cost benchmark shares: ``--model``, ``--checkpoint``, ``--shape``, ``--layers`` (and
+    ``--feature-spec`` of the untrained artifact, when ``feature_spec`` gives its default); read by
+    :func:`bench_model` and :func:`build_artifact`."""
+    ap.add_argument("--model", default=None, help="a local model folder or packaged name (default: --shape)")
+    ap.add_argument("--checkpoint", default=None, help="a CORE artifact for --model (default: untrained, fitted)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=default_shape, help="config-built model shape")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers of --shape (default: all of them)")
+    if feature_spec is not None:
+        ap.add_argument("--feature-spec", type=int, default=feature_spec,
+                        help="feature spec of the untrained artifact (without --checkpoint)")  # fmt: skip
+
+
 def build_artifact(model, folder: Path, feature_spec: int = 1) -> Path:
     """An untrained CORE artifact for ``model``: geometry fitted to its keys on random tokens, default MLPs, features
     of spec ``feature_spec`` (cost depends on the spec: v2 adds the O(N²) twin counts)."""
@@ -187,10 +200,7 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--model", default=None, help="a local model folder (default: the config-built Llama)")
-    ap.add_argument("--checkpoint", default=None, help="a CORE artifact for --model (default: untrained, fitted)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="config-built model shape")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers of --shape (default: all of them)")
+    add_model_args(ap, default_shape="tiny")
     ap.add_argument("--modes", nargs="+", choices=["one-shot", "chunked"], default=["one-shot", "chunked"])
     ap.add_argument("--memory-dtypes", nargs="*", default=[], help="also CORE with memory_dtype=<each> (float16, ...)")
     ap.add_argument(

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.core_cost import SHAPES, bench_model, build_artifact
+from benchmarks.core_cost import add_model_args, bench_model, build_artifact
 from core_kv.eval.press_labels import parse_press_options
 
 SCORER = "core_kv.presses.core_scorer.CoreScorerPress"
@@ -246,13 +246,7 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk", type=int, default=None, help="chunked prefill (default: one-shot)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
-    ap.add_argument(
-        "--feature-spec", type=int, default=2, help="feature spec of the untrained artifact (without --checkpoint)"
-    )
-    ap.add_argument("--layers", type=int, default=None)
+    add_model_args(ap, feature_spec=2)
     ap.add_argument(
         "--press-option",
         action="append",

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.core_cost import SHAPES, bench_model, build_artifact, measure
+from benchmarks.core_cost import add_model_args, bench_model, build_artifact, measure
 
 CORE_75 = {"head_budgets": "adaptive", "head_pool": "output", "memory": False}  # README's 75% recommendation
 CORE_90 = {"head_budgets": "adaptive", "repair": True, "memory": False}  # README's 90% recommendation
@@ -118,13 +118,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ratio", type=float, default=0.75)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--model", default=None, help="a local model folder or packaged name (default: --shape)")
-    ap.add_argument("--checkpoint", default=None, help="a CORE artifact for --model (default: untrained, fitted)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="config-built model shape")
-    ap.add_argument(
-        "--feature-spec", type=int, default=2, help="feature spec of the untrained artifact (without --checkpoint)"
-    )
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers of --shape (default: all of them)")
+    add_model_args(ap, feature_spec=2)
     ap.add_argument("--only", nargs="+", choices=sorted(PRESSES), default=None, help="a subset of the presses")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)

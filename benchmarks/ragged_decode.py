@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.core_cost import SHAPES, bench_model, build_artifact
+from benchmarks.core_cost import add_model_args, bench_model, build_artifact
 
 CORE_POOL = {"memory": False, "head_pool": "output"}
 PAIRS = {  # name -> (head-wise press, its uniform counterpart): (press name, options)
@@ -134,10 +134,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--model", default=None, help="a local model folder or packaged name (default: --shape)")
-    ap.add_argument("--checkpoint", default=None, help="a CORE artifact for --model (default: untrained, fitted)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="config-built model shape")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers of --shape (default: all of them)")
+    add_model_args(ap)
     ap.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=list(PAIRS))
     ap.add_argument("--no-baseline", action="store_true", help="skip the uncompressed reference row")
     ap.add_argument("--page", type=int, default=None, help="tokens per page of a ragged layer (default: the library's)")
