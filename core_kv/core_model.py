@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from core_kv.fast_memory import DECAY, GATE_HIDDEN, FastMemory
+from core_kv.fast_memory import DECAY, GATE_HIDDEN, KERNELS, READOUTS, FastMemory
 from core_kv.features import FEATURE_SPECS, SHARED_SPECS, spec, spec_differences
 from core_kv.features_v3 import compute_features_v3, special_mask
 from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
@@ -51,6 +51,9 @@ class CoreConfig(PretrainedConfig):
         memory_kind: ``latent`` (:mod:`core_kv.memory`, one state per KV head, the reconstruction of CORE.md) or
             ``fast`` (:mod:`core_kv.fast_memory`, the authors' release: one state per layer, post-RoPE queries).
         memory_gate_hidden, memory_decay: The fast memory's gate width and decay γ across events.
+        memory_readout: The fast memory's correction: ``residual`` (the release: ``o_R + g m``) or ``interpolate``
+            (the paper's form: ``o_R + g (m − o_R)``), :class:`~core_kv.fast_memory.FastMemory`.
+        memory_kernel: The fast memory's kernel: ``released`` (signed) or ``positive`` (:func:`core_kv.fast_memory.read`).
         memory_dtype: Storage dtype of the memory's weights in ``model.safetensors`` (``float32``, ``float16``,
             ``bfloat16``); they are computed in float32 after loading.
         special_token_ids: Token ids the spec-v3 ``sink`` feature flags (the tokenizer's special tokens).
@@ -80,6 +83,8 @@ class CoreConfig(PretrainedConfig):
         memory_gate_hidden: int = GATE_HIDDEN,
         memory_decay: float = DECAY,
         memory_dtype: str = "float32",
+        memory_readout: str = "residual",
+        memory_kernel: str = "released",
         special_token_ids: list[int] | None = None,
         **kwargs,
     ):
@@ -87,6 +92,10 @@ class CoreConfig(PretrainedConfig):
             raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {write_rule!r}")
         if memory_kind not in MEMORY_KINDS:
             raise ValueError(f"memory_kind must be one of {MEMORY_KINDS}, got {memory_kind!r}")
+        if memory_kernel not in KERNELS:
+            raise ValueError(f"memory_kernel must be one of {KERNELS}, got {memory_kernel!r}")
+        if memory_readout not in READOUTS:
+            raise ValueError(f"memory_readout must be one of {READOUTS}, got {memory_readout!r}")
         if memory_dtype not in STORAGE_DTYPES:
             raise ValueError(f"memory_dtype must be one of {sorted(STORAGE_DTYPES)}, got {memory_dtype!r}")
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -103,7 +112,7 @@ class CoreConfig(PretrainedConfig):
         self.inference_policy = inference_policy
         self.artifact_version = artifact_version
         self.memory_kind, self.memory_gate_hidden, self.memory_decay = memory_kind, memory_gate_hidden, memory_decay
-        self.memory_dtype = memory_dtype
+        self.memory_dtype, self.memory_readout, self.memory_kernel = memory_dtype, memory_readout, memory_kernel
         self.special_token_ids = list(special_token_ids or [])
         super().__init__(**kwargs)
 
@@ -148,7 +157,7 @@ class CoreModel(CorePreTrainedModel):
         self.indexer = CoreIndexer(c.num_layers, 1 if c.shared_scores else c.num_kv_heads)
         if c.memory_kind == "fast":
             self.memory = FastMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim,
-                                     c.memory_gate_hidden)  # fmt: skip
+                                     c.memory_gate_hidden, c.memory_readout, c.memory_kernel)  # fmt: skip
         else:
             self.memory = LatentMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim)
         m = c.num_prototypes

@@ -17,7 +17,14 @@ event's candidates: conditional weights ``p̄_i = p_i / μ_E`` with ``μ_E = Σ_
 (decay ``γ = 0.9`` across events, ``ε = 1e-8``; the first write of an empty state is ``μ_E M̄ / (μ_E + ε)``).
 
 **Read** for a query ``q`` (post-RoPE, concatenated over heads): ``m(q) = (θq)ᵀ M / sqrt((θq)² · b + ε)``, and the
-attention output before ``o_proj`` becomes ``o_R + g(q) m(q)`` (an additive residual, not an interpolation).
+attention output before ``o_proj`` becomes ``o_R + g(q) m(q)`` (``readout="residual"``, the release: an additive
+residual, not an interpolation) or ``o_R + g(q) (m(q) − o_R)`` (``readout="interpolate"``: the paper's form, CORE.md
+stage 4 and :mod:`core_kv.memory`). Not in the release: with the full cache split into retained and evicted keys,
+``o* = (1 − α_E) o_R + α_E o_E`` exactly (``α_E`` the evicted share of the query's attention, ``o_E`` the attention
+output over the evicted keys alone), so the interpolation is exact with ``m = o_E`` and ``g = α_E``, while the residual
+form has to produce ``α_E (o_E − o_R)`` from a normalised mixture of evicted values. Measured on our CPU-scaled recipe
+(``docs/method.md`` "The released recipe"): the residual form's gate closes and the memory stays at × 1.00 of the
+retained-only error.
 
 **Loss** (training): ``‖o* − o_R − g(q) m(q)‖²`` summed over the ``W`` output coordinates, averaged over the
 supervised queries (the last 16 of a training sequence).
@@ -42,6 +49,8 @@ from torch import nn
 MEMORY_DIM = 512  # [release: memory_dim]
 GATE_HIDDEN = 64  # [release: memory_gate_hidden]
 DECAY = 0.9  # [release: memory_decay]
+READOUTS = ("residual", "interpolate")  # the release's additive correction; the paper's interpolation
+KERNELS = ("released", "positive")  # the release's signed (θq)·(θk) / sqrt norm; elu + 1 features / their mass
 EPS = 1e-8
 
 
@@ -105,6 +114,7 @@ def write(
     mass: torch.Tensor,
     decay: float = DECAY,
     eta: float = 1.0,
+    kernel: str = "released",
 ) -> FastState:
     """One event's decayed, mass-weighted write (functional; differentiable in ``theta_fold``).
 
@@ -117,22 +127,36 @@ def write(
         mass: The evicted mass ``μ_E`` (scalar tensor).
         decay: γ.
         eta: Write scale η (1 in the release).
+        kernel: ``released``: ``b̄ = Σ p̄ (θk)²``; ``positive``: features ``φ(k) = elu(θk) + 1`` and ``b̄ = Σ p̄ φ(k)``
+            (the normaliser of :func:`read`).
     """
     phi = keys.float() @ theta_fold.float().T  # (E, P)
     w = weights.float()[:, None]
+    if kernel == "positive":
+        phi = F.elu(phi) + 1
     m_bar = (phi * w).T @ values.float() * eta  # (P, V)
-    b_bar = (phi.pow(2) * w).sum(0) * eta  # (P,)
+    b_bar = ((phi if kernel == "positive" else phi.pow(2)) * w).sum(0) * eta  # (P,)
     old = decay * state.Z
     z = old + mass.float()
     return FastState((old * state.M + mass * m_bar) / (z + EPS), (old * state.b + mass * b_bar) / (z + EPS), z,
                      state.events + 1)  # fmt: skip
 
 
-def read(state: FastState, theta: torch.Tensor, queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``m(q)`` (T, W) for post-RoPE queries concatenated over heads (T, W), before the gate."""
+def read(
+    state: FastState, theta: torch.Tensor, queries: torch.Tensor, kv_heads: int, kernel: str = "released"
+) -> torch.Tensor:
+    """``m(q)`` (T, W) for post-RoPE queries concatenated over heads (T, W), before the gate: the release's
+    ``(θq)ᵀM / sqrt((θq)²·b + ε)``, or with the ``positive`` kernel ``φ(q)ᵀM / (φ(q)·b + ε)``, ``φ = elu(θ·) + 1``:
+    ``Σ p̄_i κ(q, k_i) v_i / Σ p̄_i κ(q, k_i)`` with ``κ = φ(q)·φ(k) > 0``, a convex combination of the evicted values
+    (one event; across events the decayed mixture of them)."""
     phi = queries.float() @ theta.float().T  # (T, P)
-    num = phi @ state.M.float()  # (T, V)
-    den = (phi.pow(2) @ state.b.float() + EPS).sqrt()
+    if kernel == "positive":
+        phi = F.elu(phi) + 1
+        num = phi @ state.M.float()
+        den = phi @ state.b.float() + EPS
+    else:
+        num = phi @ state.M.float()  # (T, V)
+        den = (phi.pow(2) @ state.b.float() + EPS).sqrt()
     w = queries.shape[-1]
     return expand_values(num / den[:, None], kv_heads, w // state.M.shape[1])
 
@@ -150,6 +174,8 @@ class FastMemory(nn.Module):
         num_heads, kv_heads, head_dim: H, Hkv, D of the base model (``W = H·D``, ``V = Hkv·D``).
         dim: P (512 in the release).
         gate_hidden: The gate's hidden width (64 in the release).
+        readout: ``residual`` (the release: ``o_R + g m``) or ``interpolate`` (``o_R + g (m − o_R)``).
+        kernel: ``released`` (the release's signed kernel) or ``positive`` (:func:`read`).
     """
 
     def __init__(
@@ -160,12 +186,18 @@ class FastMemory(nn.Module):
         head_dim: int,
         dim: int = MEMORY_DIM,
         gate_hidden: int = GATE_HIDDEN,
+        readout: str = "residual",
+        kernel: str = "released",
     ):
         super().__init__()
         if num_heads % kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
         self.num_layers, self.num_heads, self.kv_heads, self.head_dim = num_layers, num_heads, kv_heads, head_dim
-        self.dim, self.gate_hidden = dim, gate_hidden
+        if readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.dim, self.gate_hidden, self.readout_form, self.kernel = dim, gate_hidden, readout, kernel
         self.width, self.groups = num_heads * head_dim, num_heads // kv_heads
         self.theta = nn.Parameter(torch.empty(num_layers, dim, self.width))
         self.gate_w1 = nn.Parameter(torch.empty(num_layers, gate_hidden, self.width))
@@ -194,7 +226,7 @@ class FastMemory(nn.Module):
     def write(self, state: FastState, layer: int, keys, values, weights, mass, decay: float = DECAY) -> FastState:
         """:func:`write` with this layer's folded ``θ`` (keys and values compact, (E, Hkv·D))."""
         theta = fold_theta(self.theta[layer], self.kv_heads, self.groups)
-        return write(state, theta, keys, values, weights, mass, decay)
+        return write(state, theta, keys, values, weights, mass, decay, kernel=self.kernel)
 
     def write_event(
         self,
@@ -220,21 +252,35 @@ class FastMemory(nn.Module):
         return self.write(state, layer, concat_heads(keys)[evicted], concat_heads(values)[evicted], weights[evicted],
                           mass, decay)  # fmt: skip
 
-    def readout_heads(self, state: FastState, layer: int, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`readout` for per-head post-RoPE queries (H, T, D): the residual to add to the attention output
+    def readout_heads(
+        self, state: FastState, layer: int, queries: torch.Tensor, retained: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`readout` for per-head post-RoPE queries (H, T, D): the correction to add to the attention output
         before ``o_proj``, (T, H·D), and the gate (T,)."""
         h, t, d = queries.shape
-        return self.readout(state, layer, queries.transpose(0, 1).reshape(t, h * d))
+        return self.readout(state, layer, queries.transpose(0, 1).reshape(t, h * d), retained)
 
-    def readout(self, state: FastState, layer: int, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(g(q) m(q) (T, W), g (T,))`` for concatenated post-RoPE queries (T, W)."""
+    def readout(
+        self, state: FastState, layer: int, queries: torch.Tensor, retained: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g(q) m(q) (T, W), g (T,))`` for concatenated post-RoPE queries (T, W); with the ``interpolate`` readout
+        ``g(q) (m(q) − o_R)``, which needs ``retained`` = ``o_R`` (T, W), the attention output over the kept keys."""
         g = self.gate(layer, queries)
-        return g[:, None] * read(state, self.theta[layer], queries, self.kv_heads), g
+        return g[:, None] * self.correction(state, layer, queries, retained), g
+
+    def correction(self, state: FastState, layer: int, queries: torch.Tensor, retained: torch.Tensor | None = None):
+        """The ungated correction (T, W): ``m(q)``, or ``m(q) − o_R`` with the ``interpolate`` readout."""
+        m = read(state, self.theta[layer], queries, self.kv_heads, self.kernel)
+        if self.readout_form == "residual":
+            return m
+        if retained is None:
+            raise ValueError("the interpolate readout needs the retained attention output o_R (retained=...)")
+        return m - retained.float()
 
     def state_bytes(self, dtype_bytes: int = 4) -> int:
         """Fast-state bytes for the whole model: ``L · (P·V + P + 1)`` numbers."""
         return self.num_layers * (self.dim * self.kv_heads * self.head_dim + self.dim + 1) * dtype_bytes
 
 
-__all__ = ["DECAY", "GATE_HIDDEN", "MEMORY_DIM", "FastMemory", "FastState", "concat_heads", "conditional_weights",
+__all__ = ["DECAY", "GATE_HIDDEN", "KERNELS", "MEMORY_DIM", "READOUTS", "FastMemory", "FastState", "concat_heads", "conditional_weights",
            "expand_heads", "expand_values", "fold_theta", "memory_mse", "read", "write"]  # fmt: skip

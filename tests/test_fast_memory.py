@@ -80,6 +80,62 @@ def test_first_write_is_the_conditional_summary_and_gradients_reach_theta_and_ga
     assert mem.theta.grad.abs().sum() > 0 and mem.gate_w1.grad.abs().sum() > 0
 
 
+def test_interpolate_readout_is_the_gated_move_toward_the_memory():
+    """``readout="interpolate"``: the correction is ``g (m − o_R)``, so ``o_R + correction = (1 − g) o_R + g m``."""
+    import pytest
+
+    torch.manual_seed(1)
+    res_mem, ip_mem = FastMemory(1, 4, 2, 4, dim=8, gate_hidden=4), FastMemory(1, 4, 2, 4, dim=8, gate_hidden=4,
+                                                                               readout="interpolate")  # fmt: skip
+    ip_mem.load_state_dict(res_mem.state_dict())
+    k, v = torch.randn(2, 6, 4), torch.randn(2, 6, 4)
+    s = res_mem.write(res_mem.empty_state(), 0, concat_heads(k), concat_heads(v), torch.full((6,), 1 / 6),
+                      torch.tensor(0.4))  # fmt: skip
+    q, o_r = torch.randn(3, 16), torch.randn(3, 16)
+    m = read(s, res_mem.theta[0], q, 2)
+    res, g = res_mem.readout(s, 0, q)
+    ip, g2 = ip_mem.readout(s, 0, q, o_r)
+    torch.testing.assert_close(g, g2)
+    torch.testing.assert_close(res, g[:, None] * m)
+    torch.testing.assert_close(o_r + ip, (1 - g[:, None]) * o_r + g[:, None] * m)
+    with pytest.raises(ValueError, match="retained"):
+        ip_mem.readout(s, 0, q)
+    with pytest.raises(ValueError, match="readout"):
+        FastMemory(1, 4, 2, 4, readout="mix")
+
+
+def test_positive_kernel_reads_a_convex_combination_of_the_evicted_values():
+    """``kernel="positive"``: one event reads ``Σ p̄ κ(q,k) ṽ / Σ p̄ κ(q,k)``, ``κ = (elu(θq)+1)·(elu(θk̃)+1)``; two
+    events read the decayed-mass mixture of the numerators and normalisers."""
+    import pytest
+
+    torch.manual_seed(2)
+    hkv, g, d, p = 2, 2, 4, 8
+    mem = FastMemory(1, hkv * g, hkv, d, dim=p, gate_hidden=4, kernel="positive")
+    theta = mem.theta[0].detach()
+    keys, vals = torch.randn(hkv, 7, d), torch.randn(hkv, 7, d)
+    probs = torch.softmax(torch.randn(7), -1)
+    q = torch.randn(3, hkv * g * d)
+    phi = lambda x: torch.nn.functional.elu(x @ theta.T) + 1  # noqa: E731
+    s = mem.empty_state()
+    num, den, z = 0, 0, 0.0
+    for mask in (torch.tensor([1, 1, 0, 1, 0, 0, 1], dtype=torch.bool), torch.tensor([0, 0, 1, 0, 1, 1, 0]).bool()):
+        w, mass = conditional_weights(probs, mask)
+        s = mem.write(s, 0, concat_heads(keys)[mask], concat_heads(vals)[mask], w[mask], mass)
+        kappa = phi(q) @ phi(expand_heads(keys, g)[mask]).T * w[mask]  # (T, E)
+        first = kappa @ expand_heads(vals, g)[mask] / kappa.sum(-1, keepdim=True)
+        if z == 0.0:
+            torch.testing.assert_close(read(s, theta, q, hkv, "positive"), first, atol=1e-5, rtol=1e-4)
+            assert (first.abs() <= expand_heads(vals, g)[mask].abs().max(0).values + 1e-5).all()
+        z_new = 0.9 * z + float(mass)
+        num = (0.9 * z * num + mass * (kappa @ expand_heads(vals, g)[mask])) / z_new
+        den = (0.9 * z * den + mass * kappa.sum(-1, keepdim=True)) / z_new
+        z = z_new
+    torch.testing.assert_close(read(s, theta, q, hkv, "positive"), num / den, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="kernel"):
+        FastMemory(1, 4, 2, 4, kernel="exp")
+
+
 def test_state_bytes_and_empty_write_mass():
     mem = FastMemory(30, 9, 3, 64)
     assert mem.state_bytes() == 30 * (512 * 192 + 512 + 1) * 4

@@ -182,6 +182,50 @@ def test_attention_rows_equal_the_models_own_attention_output():
     torch.testing.assert_close(attention_rows(acts[1], qpos, causal), seen["x"][0, 30:], atol=1e-5, rtol=1e-4)
 
 
+def test_evicted_share_and_gate_term_by_hand():
+    """α_E is the evicted share of each query's full-cache attention (mean over query heads), and the gate term adds
+    exactly ``memory_gate_weight · BCE(g, α_E)`` to the layer's memory loss (0: the release's loss)."""
+    import torch.nn.functional as F
+
+    from core_kv.distill.config import OnlineConfig
+    from core_kv.distill.online import _memory_term, attention_rows, keep_mask
+    from core_kv.fast_memory import FastMemory
+    from core_kv.models.attention import LayerQKV
+
+    gen = torch.Generator().manual_seed(3)
+    hkv, g, t, d, n, tail = 2, 2, 24, 8, 20, 4
+    q, k = torch.randn(hkv * g, t, d, generator=gen), torch.randn(hkv, t, d, generator=gen)
+    a = LayerQKV(q_pre=q, k_pre=k, v=torch.randn(hkv, t, d, generator=gen), q_post=q, k_post=k, scaling=d**-0.5)
+    qpos = torch.arange(t - tail, t)
+    causal = torch.arange(t)[None, :] <= qpos[:, None]
+    share = torch.zeros(t, dtype=torch.bool)
+    share[[5, 7, 11]] = True
+    _, alpha = attention_rows(a, qpos, causal, share=share)
+    naive = torch.zeros(tail)
+    for h in range(hkv * g):
+        logits = (a.q_post[h, qpos] @ a.k_post[h // g].T) * a.scaling
+        p = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+        naive += p[:, share].sum(-1) / (hkv * g)
+    torch.testing.assert_close(alpha, naive)
+
+    memory = FastMemory(1, hkv * g, hkv, d, dim=16, gate_hidden=4)
+    memory.reset_parameters(0)
+    scores = torch.randn(n, generator=gen)
+    base = OnlineConfig(sinks=2)
+    plain, mse, gap, gate, alpha_e = _memory_term(a, memory, 0, scores, n, tail, 0.5, base)
+    assert float(plain) == pytest.approx(mse)
+    gated, gated_mse, *_ = _memory_term(
+        a, memory, 0, scores, n, tail, 0.5, OnlineConfig(sinks=2, memory_gate_weight=0.5)
+    )
+    evicted = torch.cat([~keep_mask(scores, 0.5, 2), torch.zeros(t - n, dtype=torch.bool)])
+    _, alpha = attention_rows(a, qpos, causal, share=evicted)
+    state = memory.write_event(memory.empty_state(), 0, scores, ~keep_mask(scores, 0.5, 2), a.k_post[:, :n],
+                               a.v[:, :n])  # fmt: skip
+    _, g_q = memory.readout_heads(state, 0, a.q_post[:, qpos])
+    torch.testing.assert_close(gated - plain, 0.5 * F.binary_cross_entropy(g_q, alpha))
+    assert alpha_e == pytest.approx(float(alpha.mean())) and 0 < alpha_e < 1 and gap > 0 and gated_mse == mse
+
+
 def test_shipped_released_yamls_load():
     for path in sorted((ROOT / "configs" / "train").glob("*released*.yaml")):
         cfg = load_config(TrainConfig, [str(path)])

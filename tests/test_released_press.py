@@ -110,6 +110,30 @@ def test_memory_reads_after_the_event_and_a_closed_gate_equals_no_memory(model, 
     assert not torch.allclose(answers["memory_logits"], answers["off_logits"])
 
 
+def test_interpolate_artifact_moves_the_output_toward_the_memory(model, artifact, tmp_path):
+    """The same weights saved with ``memory_readout="interpolate"``: at the first layer's ``o_proj`` input during the
+    question's forward (gate fixed at 0.5), ``o_R + 0.5 (m − o_R)`` = the residual artifact's ``o_R + 0.5 m`` minus
+    ``0.5 o_R``, with ``o_R`` the memory-off output."""
+    core = CoreModel.from_pretrained(artifact)
+    core.config.memory_readout = "interpolate"
+    core.save_pretrained(tmp_path / "ip")
+    assert CoreModel.from_pretrained(tmp_path / "ip").memory.readout_form == "interpolate"
+    x, q = ids(), torch.randint(8, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+    seen = {}
+    for name, path, gate in (("res", artifact, 0.5), ("ip", str(tmp_path / "ip"), 0.5), ("off", artifact, 0.0)):
+        press = build_press("fast_memory", press=build_press("core_released_scorer", checkpoint=path,
+                                                             compression_ratio=0.75), gate=gate)  # fmt: skip
+        cache = prefill(model, x, press)
+        with press(model), torch.no_grad():  # this hook runs after the press's own o_proj pre-hook
+            hook = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
+                lambda m, args, name=name: seen.__setitem__(name, args[0].detach().clone())
+            )
+            model(input_ids=q, position_ids=torch.arange(N, N + 6)[None], past_key_values=cache)
+            hook.remove()
+    torch.testing.assert_close(seen["ip"], seen["res"] - 0.5 * seen["off"], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(seen["ip"], seen["off"])
+
+
 def test_decode_time_events_use_the_interval_queries_and_keep_heads_aligned(model, artifact):
     press = build_press("core", checkpoint=artifact, compression_ratio=0.75, decoding=True, decoding_slack=8)
     x = ids()

@@ -138,6 +138,14 @@ class OnlineConfig:
         memory_dim, memory_gate_hidden, memory_decay, memory_tail, lambda_mem: The memory (512, 64, 0.9; MSE on the
             last 16 queries; weight 1).
         memory_dtype: How the artifact stores the memory's weights (``float32``; ``float16`` halves the file).
+        memory_readout: ``residual`` (the release: ``o_R + g m``) or ``interpolate`` (the paper's ``o_R + g (m − o_R)``,
+            exact with ``m = o_E``, ``g = α_E``; :mod:`core_kv.fast_memory`).
+        memory_kernel: ``released`` (the release's signed kernel ``(θq)·(θk)`` over ``sqrt((θq)²·b)``) or
+            ``positive`` (``φ = elu(θ·) + 1``, normalised by its mass: a convex combination of the evicted values).
+        memory_gate_weight: μ_g of a gate term ``μ_g · BCE(g(q), α_E(q))`` added to each layer's memory loss, with
+            ``α_E`` the evicted share of the query's full-cache attention (mean over query heads). 0: the release
+            (the gate learns from the output error alone). Not in the release: our CPU-scaled recipe's gate closes
+            within its first joint steps without it (``docs/method.md`` "The released recipe").
         total_steps: Optimizer steps of the whole WSD schedule (both stages).
         indexer_steps: Indexer-only steps before the joint stage (1000 of 5400).
         warmup, stable, decay: WSD phases in optimizer steps (100 / 3100 / 2200).
@@ -173,6 +181,9 @@ class OnlineConfig:
     memory_tail: int = option(16, gt=0)
     lambda_mem: float = option(1.0, ge=0)
     memory_dtype: str = option("float32", choices=("float32", "float16", "bfloat16"))
+    memory_readout: str = option("residual", choices=("residual", "interpolate"))
+    memory_kernel: str = option("released", choices=("released", "positive"))
+    memory_gate_weight: float = option(0.0, ge=0)
     total_steps: int = option(5400, gt=0)
     indexer_steps: int = option(1000, ge=0)
     warmup: int = option(100, ge=0)

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -95,9 +96,10 @@ def prompt_split(doc: Doc, tail: int, memory: bool) -> tuple[int, int]:
     return t_len - held, max(held, 1) if memory else 0
 
 
-def attention_rows(a: LayerQKV, qpos: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def attention_rows(a: LayerQKV, qpos: torch.Tensor, allowed: torch.Tensor, share: torch.Tensor | None = None):
     """Attention outputs before ``o_proj`` of the queries at ``qpos`` over the keys ``allowed`` (Tq, K) (each query's
-    own causal set already applied), concatenated over heads: (Tq, W)."""
+    own causal set already applied), concatenated over heads: (Tq, W). With ``share`` (K,) bool, also the attention
+    mass each query puts on those keys, averaged over query heads (Tq,)."""
     hkv, _, d = a.k_post.shape
     g = a.groups
     k_len = allowed.shape[1]
@@ -105,7 +107,10 @@ def attention_rows(a: LayerQKV, qpos: torch.Tensor, allowed: torch.Tensor) -> to
     logits = (q @ a.k_post[:, None, :k_len].mT) * a.scaling  # (Hkv, G, Tq, K)
     probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
     out = probs @ a.v[:, None, :k_len]  # (Hkv, G, Tq, D)
-    return out.reshape(hkv * g, len(qpos), d).transpose(0, 1).reshape(len(qpos), hkv * g * d)
+    out = out.reshape(hkv * g, len(qpos), d).transpose(0, 1).reshape(len(qpos), hkv * g * d)
+    if share is None:
+        return out
+    return out, (probs * share.to(probs.dtype)).sum(-1).mean((0, 1))
 
 
 def keep_mask(scores: torch.Tensor, ratio: float, sinks: int) -> torch.Tensor:
@@ -143,7 +148,8 @@ def sequence_terms(ctx: OnlineContext, indexer, memory, item: OnlineItem, joint:
     pos = torch.arange(n, device=dev)
     special = special_mask(ids[0, :n], ctx.special_ids)
     eligible = pos >= o.sinks
-    core, decode, mem, kls, bds, gaps, gates, recalls = [], [], [], [], [], [], [], []
+    core, decode, mem, mses, kls, bds, gaps, gates, alphas, recalls = [], [], [], [], [], [], [], [], [], []
+    per_layer: dict[int, tuple[float, float]] = {}  # memory layer -> (its error with memory, retained-only)
     for layer, a in enumerate(acts):
         k, v = a.k_post[:, :n], a.v[:, :n]
         with ctx.timer("features"):
@@ -176,10 +182,13 @@ def sequence_terms(ctx: OnlineContext, indexer, memory, item: OnlineItem, joint:
                 decode.append(dloss + o.lambda_bd * single_budget_hinge(ds, dpi, item.ratio, o))
         if joint and memory is not None and tail > 0:
             with ctx.timer("memory"):
-                term, gap, gate = _memory_term(a, memory, layer, s.detach(), n, tail, item.ratio, o)
+                term, mse, gap, gate, alpha = _memory_term(a, memory, layer, s.detach(), n, tail, item.ratio, o)
                 mem.append(term)
+                mses.append(mse)
+                per_layer[layer] = (mse, gap)
                 gaps.append(gap)
                 gates.append(gate)
+                alphas.append(alpha)
     weight = len(core) + o.decode_weight * len(decode)
     out = {
         "core": (torch.stack(core).sum() + o.decode_weight * (torch.stack(decode).sum() if decode else 0.0)) / weight,
@@ -190,7 +199,13 @@ def sequence_terms(ctx: OnlineContext, indexer, memory, item: OnlineItem, joint:
         "tokens": len(item.doc.ids),
     }
     if mem:
-        out.update(mem_gap=sum(gaps) / len(gaps), gate=sum(gates) / len(gates))
+        out.update(
+            mem_mse=sum(mses) / len(mses),
+            mem_gap=sum(gaps) / len(gaps),
+            mem_layers=per_layer,
+            gate=sum(gates) / len(gates),
+            alpha_e=sum(alphas) / len(alphas),
+        )
     return out
 
 
@@ -207,7 +222,8 @@ def _topb_recall(s: torch.Tensor, pi: torch.Tensor, ratio: float, sinks: int) ->
 
 def _memory_term(a: LayerQKV, memory, layer: int, scores: torch.Tensor, n: int, tail: int, ratio: float, o):
     """The memory loss of one layer: compress the prompt at ``ratio``, write the evicted tokens, reconstruct the
-    last ``tail`` queries. Returns ``(loss, ‖o* − o_R‖² mean, gate mean)``."""
+    last ``tail`` queries (plus ``memory_gate_weight · BCE(g, α_E)``). Returns ``(loss, its reconstruction part
+    ‖o* − ô‖² mean, ‖o* − o_R‖² mean, gate mean, α_E mean)``."""
     dev = scores.device
     t_len = a.k_post.shape[1]
     keep = keep_mask(scores, ratio, o.sinks)  # (n,)
@@ -217,13 +233,18 @@ def _memory_term(a: LayerQKV, memory, layer: int, scores: torch.Tensor, n: int, 
     causal = kpos[None, :] <= qpos[:, None]  # (tail, T)
     readable = torch.cat([keep, torch.ones(t_len - n, dtype=torch.bool, device=dev)])
     with torch.no_grad():
-        o_full = attention_rows(a, qpos, causal)
+        o_full, alpha = attention_rows(a, qpos, causal, share=~readable)
         o_ret = attention_rows(a, qpos, causal & readable[None, :])
     state = memory.write_event(memory.empty_state(dev), layer, scores, evicted, a.k_post[:, :n], a.v[:, :n],
                                o.student_temperature, o.memory_decay)  # fmt: skip
-    residual, gate = memory.readout_heads(state, layer, a.q_post[:, qpos])
+    residual, gate = memory.readout_heads(state, layer, a.q_post[:, qpos], o_ret)
     gap = float((o_full - o_ret).pow(2).sum(-1).mean())
-    return memory_mse(o_full, o_ret, residual), gap, float(gate.detach().mean())
+    mse = memory_mse(o_full, o_ret, residual)
+    loss = mse
+    if o.memory_gate_weight > 0:
+        g = gate.float().clamp(1e-6, 1 - 1e-6)
+        loss = mse + o.memory_gate_weight * F.binary_cross_entropy(g, alpha.float().clamp(0, 1))
+    return loss, float(mse.detach()), gap, float(gate.detach().mean()), float(alpha.mean())
 
 
 class OnlineStep(nn.Module):
@@ -247,7 +268,7 @@ class OnlineStep(nn.Module):
             losses.append(loss)
             logs["tokens"] += t["tokens"]
             rows.append(t)
-        for key in ("kl", "bd", "topb_recall", "mem_gap", "gate"):
+        for key in ("kl", "bd", "topb_recall", "mem_mse", "mem_gap", "gate", "alpha_e"):
             vals = [r[key] for r in rows if key in r]
             if vals:
                 logs[key] = sum(vals) / len(vals)
@@ -314,7 +335,8 @@ class ReleasedTrainer(Trainer):
             d_z=o.d_z, num_prototypes=o.num_prototypes, memory_dim=o.memory_dim, protected_sinks=o.sinks,
             protected_recent=0, chunk_size=o.long_len, fingerprint=fp, feature_spec=spec(3), teacher=teacher,
             memory_kind="fast", memory_gate_hidden=o.memory_gate_hidden, memory_decay=o.memory_decay,
-            memory_dtype=o.memory_dtype, special_token_ids=special,
+            memory_dtype=o.memory_dtype, memory_readout=o.memory_readout,
+            memory_kernel=o.memory_kernel, special_token_ids=special,
         )  # fmt: skip
         torch.manual_seed(cfg.seed)
         self.core = CoreModel(self.core_config)
@@ -396,7 +418,9 @@ def evaluate_online(tr: ReleasedTrainer) -> dict:
             t = sequence_terms(ctx, tr.core.indexer, memory, OnlineItem(doc, 0, ratio, False), joint=True)
             row = {"ratio": ratio, "kl": t["kl"], "bd": t["bd"], "topb_recall": t["topb_recall"]}
             if t["mem"] is not None:
-                row.update(mem=float(t["mem"]), gap=t["mem_gap"], gate=t["gate"])
+                row.update(
+                    mem=t["mem_mse"], gap=t["mem_gap"], layers=t["mem_layers"], gate=t["gate"], alpha_e=t["alpha_e"]
+                )
             rows.append(row)
     from accelerate.utils import gather_object
 
@@ -410,9 +434,17 @@ def evaluate_online(tr: ReleasedTrainer) -> dict:
         mean = _column_mean(rs)
         out[tag] = {"docs": len(rs), "kl": mean("kl"), "hinge": mean("bd"), "topb_recall": mean("topb_recall")}
         if any("mem" in r for r in rs):
-            out[tag].update(memory_mse=mean("mem"), retained_mse=mean("gap"), gate=mean("gate"),
-                            memory_relative=mean("mem") / max(mean("gap"), 1e-12))  # fmt: skip
+            out[tag].update(memory_mse=mean("mem"), retained_mse=mean("gap"), gate=mean("gate"), alpha_e=mean("alpha_e"),
+                            memory_relative=mean("mem") / max(mean("gap"), 1e-12),
+                            memory_relative_layers=_per_layer_relative(rs))  # fmt: skip
     return out
+
+
+def _per_layer_relative(rows: list[dict]) -> dict[int, float]:
+    """Per memory layer: its error with the memory over the retained-only error, summed over the held-out documents
+    (< 1: the memory helps there; the per-layer gain is ``G_l = 1 − value``)."""
+    docs = [r["layers"] for r in rows if "layers" in r]
+    return {i: sum(d[i][0] for d in docs) / max(sum(d[i][1] for d in docs), 1e-12) for i in docs[0]} if docs else {}
 
 
 def _column_mean(rows: list[dict]):

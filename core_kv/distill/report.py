@@ -108,12 +108,21 @@ def distill_report_markdown(summary: dict) -> str:
     """The summary as the markdown tables of ``docs/notebook.md`` (also written to ``<out_dir>/report.md``)."""
     if summary.get("recipe") == "released":
         lines = ["| ratio | docs | KL(π_T ‖ softmax s) | hinge | Top-B recall | memory MSE | retained-only MSE | "
-                 "ratio | gate |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                 "ratio | gate | α_E |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for tag, r in _released_rows(summary):
-            mem = (f"{r['memory_mse']:.4g} | {r['retained_mse']:.4g} | {r['memory_relative']:.3f} | {r['gate']:.3f}"
-                   if "memory_relative" in r else "– | – | – | –")  # fmt: skip
+            mem = (f"{r['memory_mse']:.4g} | {r['retained_mse']:.4g} | {r['memory_relative']:.3f} | {r['gate']:.3f} | "
+                   f"{r.get('alpha_e', float('nan')):.3f}" if "memory_relative" in r else "– | – | – | – | –")  # fmt: skip
             lines.append(f"| {tag[1:]}% | {r['docs']} | {r['kl']:.4f} | {r['hinge']:.4f} | "
                          f"{100 * r['topb_recall']:.1f}% | {mem} |")  # fmt: skip
+        for tag, r in _released_rows(summary):
+            per_layer = {int(k): v for k, v in (r.get("memory_relative_layers") or {}).items()}
+            if per_layer:
+                helps = [i for i, v in sorted(per_layer.items()) if v < 1]
+                lines.append(
+                    f"\n{tag[1:]}%: memory / retained-only error per layer: "
+                    + " ".join(f"{i}:{v:.3f}" for i, v in sorted(per_layer.items()))
+                    + f" (below 1 in layers {helps or 'none'})"
+                )
         lines += ["", "| pass | part | seconds | share |", "|---|---|---|---|"]
         for name, t in summary["timing"].items():
             if isinstance(t, dict) and "seconds" in t:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from core_kv.config import parse_layers
-from core_kv.fast_memory import FastState, read
+from core_kv.fast_memory import FastState
 from core_kv.models.attention import apply_rope, attention_modules, prerope_queries_from_projection
 from core_kv.presses.base import WrapperPress
 from core_kv.presses.released_scorer import CoreReleasedScorerPress
@@ -144,7 +144,8 @@ class FastMemoryPress(WrapperPress, name="fast_memory"):
 
     @torch.no_grad()
     def readout(self, module: nn.Module, attn_output: torch.Tensor) -> torch.Tensor | None:
-        """``o + g(q) m(q)`` before ``o_proj`` once this layer's memory holds writes."""
+        """``o + g(q) m(q)`` (or ``o + g(q) (m(q) − o)``, the ``interpolate`` readout) before ``o_proj`` once this
+        layer's memory holds writes."""
         out = self.press.readout(module, attn_output)
         attn_output = attn_output if out is None else out
         st = self._memory.get(module.layer_idx)
@@ -152,12 +153,13 @@ class FastMemoryPress(WrapperPress, name="fast_memory"):
             return out
         mem = self.scorer.core.memory
         q = st.fwd["q"]
+        retained = attn_output[0].float()
         if self.gate is None:
-            residual, _ = mem.readout_heads(st.state, module.layer_idx, q)
+            residual, _ = mem.readout_heads(st.state, module.layer_idx, q, retained)
         else:
             h, t, d = q.shape
-            residual = self.gate * read(st.state, mem.theta[module.layer_idx], q.transpose(0, 1).reshape(t, h * d),
-                                        mem.kv_heads)  # fmt: skip
+            residual = self.gate * mem.correction(st.state, module.layer_idx, q.transpose(0, 1).reshape(t, h * d),
+                                                  retained)  # fmt: skip
         return (attn_output.float() + residual[None]).to(attn_output.dtype)
 
 
