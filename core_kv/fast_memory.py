@@ -152,11 +152,8 @@ def read(
     phi = queries.float() @ theta.float().T  # (T, P)
     if kernel == "positive":
         phi = F.elu(phi) + 1
-        num = phi @ state.M.float()
-        den = phi @ state.b.float() + EPS
-    else:
-        num = phi @ state.M.float()  # (T, V)
-        den = (phi.pow(2) @ state.b.float() + EPS).sqrt()
+    num = phi @ state.M.float()  # (T, V)
+    den = phi @ state.b.float() + EPS if kernel == "positive" else (phi.pow(2) @ state.b.float() + EPS).sqrt()
     w = queries.shape[-1]
     return expand_values(num / den[:, None], kv_heads, w // state.M.shape[1])
 

@@ -27,13 +27,12 @@ import math
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from core_kv.config import load_config
 from core_kv.distill.config import TrainConfig
 from core_kv.distill.online import EVAL_OFFSET, attention_rows, prompt_split
 from core_kv.distill.replay import capture
-from core_kv.fast_memory import FastMemory, conditional_weights, expand_heads, read
+from core_kv.fast_memory import FastMemory, read
 from core_kv.teacher.docs import load_model, make_docs
 
 
@@ -42,22 +41,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def positive_read(memory: FastMemory, layer: int, a, n: int, evicted: torch.Tensor, scores, qpos) -> torch.Tensor:
-    """``Σ p̄ κ(q,k) ṽ / Σ p̄ κ(q,k)`` with ``κ = φ(q)·φ(k)``, ``φ(x) = elu(θx) + 1`` (T, W)."""
-    g = memory.groups
-    w, _ = conditional_weights(torch.softmax(scores.float(), -1), evicted)
-    k = expand_heads(a.k_post[:, :n], g)[evicted]
-    v = expand_heads(a.v[:, :n], g)[evicted]
-    h, _, d = a.q_post.shape
-    q = a.q_post[:, qpos].transpose(0, 1).reshape(len(qpos), h * d)
-    theta = memory.theta[layer]
-    kappa = (F.elu(q @ theta.T) + 1) @ (F.elu(k @ theta.T) + 1).T * w[evicted]  # (T, E)
-    return kappa @ v / kappa.sum(-1, keepdim=True).clamp_min(1e-12)
-
-
-@torch.no_grad()
-def layer_stats(a, memory: FastMemory, layer: int, n: int, tail: int, ratio: float, sinks: int, gen, scores=None,
-                kernel: str = "released"):  # fmt: skip
+def layer_stats(a, memory: FastMemory, layer: int, n: int, tail: int, ratio: float, sinks: int, gen, scores=None):
     """The diagnostics of one layer of one document (dict of floats, means over the tail queries)."""
     t_len = a.k_post.shape[1]
     b = max(sinks, math.floor(n * (1 - ratio) + 1e-9))
@@ -76,16 +60,13 @@ def layer_stats(a, memory: FastMemory, layer: int, n: int, tail: int, ratio: flo
     s = torch.zeros(n) if scores is None else scores
     state = memory.write_event(memory.empty_state(), layer, s, evicted, a.k_post[:, :n], a.v[:, :n])
     h, _, d = a.q_post.shape
-    if kernel == "positive":
-        m = positive_read(memory, layer, a, n, evicted, s, qpos)
-    else:
-        m = read(
-            state,
-            memory.theta[layer],
-            a.q_post[:, qpos].transpose(0, 1).reshape(tail, h * d),
-            memory.kv_heads,
-            memory.kernel,
-        )
+    m = read(
+        state,
+        memory.theta[layer],
+        a.q_post[:, qpos].transpose(0, 1).reshape(tail, h * d),
+        memory.kv_heads,
+        memory.kernel,
+    )
     gap = o_full - o_ret
     out = {"alpha_e": float(alpha.mean()), "m_over_oE": float((m.norm(dim=-1) / o_ev.norm(dim=-1)).mean()),
            "cos_m_oE": float(_cos(m, o_ev).mean())}  # fmt: skip
@@ -96,6 +77,7 @@ def layer_stats(a, memory: FastMemory, layer: int, n: int, tail: int, ratio: flo
     return out
 
 
+@torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/train/smollm2_released.yaml")
@@ -105,7 +87,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="θ's initialisation seed (without --artifact)")
     ap.add_argument("--kernel", choices=("released", "positive"), default="released")
     args = ap.parse_args(argv)
-    torch.set_grad_enabled(False)
     cfg = load_config(TrainConfig, [args.config])
     o = cfg.online
     model, tok = load_model(cfg.teacher.model, "cpu")
@@ -123,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         memory = FastMemory(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, hd, o.memory_dim,
                             o.memory_gate_hidden)  # fmt: skip
         memory.reset_parameters(args.seed)
+    memory.kernel = args.kernel  # the same θ read through the chosen kernel (core_kv.fast_memory.read)
     rows: dict[int, list[dict]] = {}
     gen = torch.Generator().manual_seed(0)
     for doc in docs:
@@ -135,9 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 pos = torch.arange(n)
                 scores = core.released_scores(layer, a.q_post[:, :n], a.k_post[:, :n], a.v[:, :n], pos, pos, n, a.scaling,
                                               token_ids=ids[0, :n])  # fmt: skip
-            rows.setdefault(layer, []).append(
-                layer_stats(a, memory, layer, n, tail, args.ratio, o.sinks, gen, scores, args.kernel)
-            )
+            rows.setdefault(layer, []).append(layer_stats(a, memory, layer, n, tail, args.ratio, o.sinks, gen, scores))
     keys = list(next(iter(rows.values()))[0])
     print("| layer | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")

@@ -32,8 +32,8 @@ def test_the_ideal_interpolation_removes_the_error_with_one_head():
     assert out["ideal_rel"] == pytest.approx(0.0, abs=1e-5)
     assert out["ideal_gate"] == pytest.approx(out["alpha_e"], rel=1e-4)
     assert 0 < out["interpolate_rel"] <= 1 and 0 < out["residual_rel"] <= 1
-    pos = fmr.layer_stats(a, memory, 0, n=39, tail=1, ratio=0.5, sinks=2, gen=torch.Generator().manual_seed(1),
-                          kernel="positive")  # fmt: skip
+    memory.kernel = "positive"
+    pos = fmr.layer_stats(a, memory, 0, n=39, tail=1, ratio=0.5, sinks=2, gen=torch.Generator().manual_seed(1))
     assert pos["cos_m_oE"] > 0 and pos["ideal_rel"] == pytest.approx(0.0, abs=1e-5)
 
 
