@@ -25,7 +25,7 @@ from core_kv.indexer import CoreIndexer
 from core_kv.key_geometry import KeyGeometry
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
 from core_kv.models.loading import looks_local
-from core_kv.policy import PAPER, InferencePolicy
+from core_kv.policy import PAPER, InferencePolicy, PolicyOptions
 
 ARTIFACT_VERSION = 1
 MEMORY_KINDS = ("latent", "fast")
@@ -57,6 +57,9 @@ class CoreConfig(PretrainedConfig):
         memory_dtype: Storage dtype of the memory's weights in ``model.safetensors`` (``float32``, ``float16``,
             ``bfloat16``); they are computed in float32 after loading.
         special_token_ids: Token ids the spec-v3 ``sink`` feature flags (the tokenizer's special tokens).
+        ablated_features: Feature names the indexer never sees (zeroed at its input; ``online.ablate_features``).
+        memory_trained: False for an artifact whose memory was never trained (``online.memory=false``): its
+            default policy runs no memory, and a press that asks for the memory is refused.
     """
 
     model_type = "core_kv"
@@ -86,6 +89,8 @@ class CoreConfig(PretrainedConfig):
         memory_readout: str = "residual",
         memory_kernel: str = "released",
         special_token_ids: list[int] | None = None,
+        ablated_features: list[str] | None = None,
+        memory_trained: bool = True,
         **kwargs,
     ):
         if write_rule not in WRITE_RULES:
@@ -114,6 +119,12 @@ class CoreConfig(PretrainedConfig):
         self.memory_kind, self.memory_gate_hidden, self.memory_decay = memory_kind, memory_gate_hidden, memory_decay
         self.memory_dtype, self.memory_readout, self.memory_kernel = memory_dtype, memory_readout, memory_kernel
         self.special_token_ids = list(special_token_ids or [])
+        self.ablated_features = list(ablated_features or [])
+        self.memory_trained = bool(memory_trained)
+        unknown = sorted(set(self.ablated_features) - set(self.feature_spec.get("names") or []))
+        if unknown:
+            raise ValueError(f"ablated_features {unknown} are not in the feature spec's names "
+                             f"{list(self.feature_spec.get('names') or [])}")  # fmt: skip
         super().__init__(**kwargs)
 
     @property
@@ -155,6 +166,8 @@ class CoreModel(CorePreTrainedModel):
         super().__init__(config)
         c = config
         self.indexer = CoreIndexer(c.num_layers, 1 if c.shared_scores else c.num_kv_heads)
+        if c.ablated_features:
+            self.indexer.ablate([c.feature_spec["names"].index(n) for n in c.ablated_features])
         if c.memory_kind == "fast":
             self.memory = FastMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim,
                                      c.memory_gate_hidden, c.memory_readout, c.memory_kernel)  # fmt: skip
@@ -302,6 +315,10 @@ class CoreModel(CorePreTrainedModel):
 
     def policy(self) -> InferencePolicy:
         """The recorded inference policy (the paper's press for every ratio when none is recorded)."""
+        if self.config.inference_policy is None and not self.config.memory_trained:
+            return InferencePolicy.single(PolicyOptions(memory=False),
+                                          validation={"note": "no policy recorded, no trained memory: the paper's "
+                                                              "scorer without the memory"})  # fmt: skip
         if self.config.inference_policy is None:
             return InferencePolicy.single(PAPER, validation={"note": "no policy recorded: the paper's press"})
         return InferencePolicy.from_dict(self.config.inference_policy)

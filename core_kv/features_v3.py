@@ -76,6 +76,27 @@ FEATURE_NAMES_V3 = (
     "value_energy",
     "phase",
 )
+FEATURE_GROUPS_V3 = {"qk": FEATURE_NAMES_V3[:6], "coverage": FEATURE_NAMES_V3[6:10], "auxiliary": FEATURE_NAMES_V3[10:]}
+
+
+def ablated_names(entries: list[str]) -> list[str]:
+    """Feature names (in spec order) for ``entries``, each a feature name or a group of :data:`FEATURE_GROUPS_V3`.
+
+    Raises:
+        ValueError: an entry that is neither, named with the choices.
+    """
+    names = set()
+    for e in entries:
+        if e in FEATURE_GROUPS_V3:
+            names.update(FEATURE_GROUPS_V3[e])
+        elif e in FEATURE_NAMES_V3:
+            names.add(e)
+        else:
+            raise ValueError(f"unknown feature or group {e!r}; choose from groups {sorted(FEATURE_GROUPS_V3)} or "
+                             f"features {list(FEATURE_NAMES_V3)}")  # fmt: skip
+    return [n for n in FEATURE_NAMES_V3 if n in names]
+
+
 TOP_HEADS = 4  # [release: topk_qk] TopMean over the query heads of a KV group, and the K of f2 / f4
 RECENT_QUERIES = 16  # [release: n_recent_queries]
 QUERY_BLOCK = 128  # [release: qk_query_block_size]
@@ -302,7 +323,9 @@ def special_mask(token_ids: torch.Tensor | None, special_ids) -> torch.Tensor | 
 
 
 __all__ = [
+    "FEATURE_GROUPS_V3",
     "FEATURE_NAMES_V3",
+    "ablated_names",
     "QUERY_BLOCK",
     "RECENT_QUERIES",
     "TOP_HEADS",

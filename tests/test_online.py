@@ -131,11 +131,25 @@ def test_resume_after_sigkill_matches(tmp_path, reference):
         torch.testing.assert_close(a[k], b[k], msg=k)
 
 
-def test_memory_off_trains_the_indexer_for_every_step(tmp_path):
+def test_memory_off_trains_the_indexer_for_every_step(tmp_path, reference):
     out = tmp_path / "run"
     s = run(tiny_args(out, "online.memory=false", "online.total_steps=2", "online.indexer_steps=2"))
     assert {p.name for p in (out / "stages").iterdir()} == {"online_indexer.safetensors"}
     assert "memory_relative" not in s["eval"]["r75"]
+    # the artifact says its memory is untrained: no memory by default, and a press that asks for it is refused
+    from core_kv.core_model import CoreModel
+    from core_kv.presses import build_press
+    from core_kv.presses.fast_memory import FastMemoryPress
+
+    core = CoreModel.from_pretrained(out / "final")
+    assert core.config.memory_trained is False and core.policy().for_ratio(0.75).memory is False
+    press = build_press("core", checkpoint=str(out / "final"), compression_ratio=0.75)
+    assert press.memory_press is None
+    for kwargs in ({"policy": "paper"}, {"memory": True}):
+        with pytest.raises(ValueError, match="no trained memory.*memory=false"):
+            build_press("core", checkpoint=str(out / "final"), compression_ratio=0.75, **kwargs)
+    trained = build_press("core", checkpoint=str(reference / "final"), compression_ratio=0.75)
+    assert isinstance(trained.memory_press, FastMemoryPress)
 
 
 def test_wsd_schedule_by_hand():
@@ -246,3 +260,32 @@ def test_released_scores_equal_the_indexer_on_the_v3_features(reference):
                                       special_mask(ids, core.config.special_token_ids))  # fmt: skip
     torch.testing.assert_close(got, core.indexer.scores(1, feats[None])[0])
     assert got.shape == (20,)
+
+
+def test_ablated_features_are_invisible_to_the_indexer_in_training_and_after_loading(tmp_path):
+    """``online.ablate_features=[coverage]``: the artifact records the 4 coverage names, the loaded indexer zeroes
+    them (the scores do not move when only those features change), and the other features still move the scores."""
+    from core_kv.core_model import CoreModel
+    from core_kv.features_v3 import FEATURE_GROUPS_V3, FEATURE_NAMES_V3
+
+    out = tmp_path / "run"
+    run(tiny_args(out, "online.memory=false", "online.total_steps=2", "online.indexer_steps=2",
+                  "online.ablate_features=[coverage]"))  # fmt: skip
+    core = CoreModel.from_pretrained(out / "final")
+    assert core.config.ablated_features == list(FEATURE_GROUPS_V3["coverage"]) == list(FEATURE_NAMES_V3[6:10])
+    assert core.indexer.ablated == [6, 7, 8, 9]
+    feats = torch.randn(1, 12, 14, generator=torch.Generator().manual_seed(1))
+    moved = feats.clone()
+    moved[..., 6:10] += 5.0
+    torch.testing.assert_close(core.indexer.scores(0, moved), core.indexer.scores(0, feats))
+    moved[..., 0] += 5.0
+    assert not torch.allclose(core.indexer.scores(0, moved), core.indexer.scores(0, feats))
+
+
+def test_ablate_features_names_the_unknown_entry():
+    with pytest.raises(ValueError, match="online.ablate_features.*covrage"):
+        load_config(TrainConfig, ["online.ablate_features=[covrage]"])
+    from core_kv.core_model import CoreConfig
+
+    with pytest.raises(ValueError, match="ablated_features.*'nope'"):
+        CoreConfig(ablated_features=["nope"])

@@ -225,3 +225,11 @@ def test_policy_stage_compares_only_the_v3_compositions(tmp_path):
         stage.run_policy_stage(PolicyStageConfig(ratios=[0.75], length=160, per_task=1,
                                                  candidates=[{"head_budgets": "adaptive"}]), art, lm, tok,
                                tmp_path / "work2", progress=False)  # fmt: skip
+    # an artifact whose memory was never trained (online.memory=false) is validated without the memory
+    core.config.memory_trained = False
+    core.config.inference_policy = None
+    untrained = tmp_path / "untrained"
+    core.save_pretrained(untrained)
+    stage.run_policy_stage(small, untrained, lm, tok, tmp_path / "work3", progress=False)
+    rows = json.loads((untrained / "config.json").read_text())["inference_policy"]["candidates"]["0.75"]
+    assert [r["label"] for r in rows] == ["uniform, memory off"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core_kv.config import ConfigError, check_on_init, folder, non_empty, option
+from core_kv.features_v3 import ablated_names
 from core_kv.memory import WRITE_RULES
 from core_kv.policy import PolicyStageConfig
 from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
@@ -112,6 +113,15 @@ class MemoryStage:
 RECIPES = ("replay", "released")
 
 
+def _feature_entries(value: list[str]) -> str | None:
+    """An :func:`option` check: feature names or groups of spec v3."""
+    try:
+        ablated_names(list(value))
+    except ValueError as e:
+        return f"feature names of spec v3 or the groups qk / coverage / auxiliary ({e})"
+    return None
+
+
 @dataclass
 class OnlineConfig:
     """The released recipe (``recipe: released``): the CORE authors' design as options whose defaults are theirs.
@@ -146,6 +156,9 @@ class OnlineConfig:
             ``α_E`` the evicted share of the query's full-cache attention (mean over query heads). 0: the release
             (the gate learns from the output error alone). Not in the release: our CPU-scaled recipe's gate closes
             within its first joint steps without it (``docs/method.md`` "The released recipe").
+        ablate_features: Features the indexer never sees, for one-choice ablations: names of
+            :data:`~core_kv.features_v3.FEATURE_NAMES_V3` or groups ``qk`` / ``coverage`` / ``auxiliary``; zeroed at
+            the indexer's input in training and, from the artifact's config, at inference. Empty: the release.
         total_steps: Optimizer steps of the whole WSD schedule (both stages).
         indexer_steps: Indexer-only steps before the joint stage (1000 of 5400).
         warmup, stable, decay: WSD phases in optimizer steps (100 / 3100 / 2200).
@@ -184,6 +197,7 @@ class OnlineConfig:
     memory_readout: str = option("residual", choices=("residual", "interpolate"))
     memory_kernel: str = option("released", choices=("released", "positive"))
     memory_gate_weight: float = option(0.0, ge=0)
+    ablate_features: list[str] = option(factory=list, check=_feature_entries)
     total_steps: int = option(5400, gt=0)
     indexer_steps: int = option(1000, ge=0)
     warmup: int = option(100, ge=0)

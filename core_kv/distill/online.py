@@ -51,7 +51,7 @@ from core_kv.distill.replay import Timer, capture
 from core_kv.distill.trainer import Trainer
 from core_kv.fast_memory import memory_mse
 from core_kv.features import spec
-from core_kv.features_v3 import compute_features_v3, special_mask
+from core_kv.features_v3 import ablated_names, compute_features_v3, special_mask
 from core_kv.key_geometry import KeyGeometry
 from core_kv.models.attention import LayerQKV
 from core_kv.teacher.docs import Doc, make_docs
@@ -337,6 +337,7 @@ class ReleasedTrainer(Trainer):
             memory_kind="fast", memory_gate_hidden=o.memory_gate_hidden, memory_decay=o.memory_decay,
             memory_dtype=o.memory_dtype, memory_readout=o.memory_readout,
             memory_kernel=o.memory_kernel, special_token_ids=special,
+            ablated_features=ablated_names(o.ablate_features), memory_trained=o.memory,
         )  # fmt: skip
         torch.manual_seed(cfg.seed)
         self.core = CoreModel(self.core_config)

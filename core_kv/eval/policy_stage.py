@@ -98,8 +98,11 @@ def run_policy_stage(
             f.unlink()
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_json(key_file, key)
-    released = bool(CoreConfig.from_pretrained(artifact).shared_scores)
+    config = CoreConfig.from_pretrained(artifact)
+    released = bool(config.shared_scores)
     candidates = cfg.candidate_options()
+    if not config.memory_trained:  # online.memory=false: the memory's weights are its initialisation
+        candidates = [c for c in candidates if c.memory_layers is None]
     if released:  # a spec-v3 artifact: one kept set per layer, so only uniform budgets without the repair pass
         if cfg.candidates and not all(released_candidate(c) for c in candidates):
             raise ValueError(f"policy.candidates: {artifact} is a feature spec v3 artifact; its candidates must have "

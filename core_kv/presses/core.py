@@ -116,6 +116,10 @@ class CorePress(WrapperPress, name="core"):
             self.options = PolicyOptions.from_dict({**base.to_dict(), **given}, f"{self.name}")
         except ValueError as e:
             raise ValueError(f"{e} (policy {base.describe()!r} with overrides {given})") from None
+        untrained = scorer._core is not None and not scorer._core.config.memory_trained
+        if untrained and self.options.memory_layers is not None:
+            raise ValueError(f"{self.name}: {self.checkpoint} has no trained memory (trained with online.memory=false), "
+                             f"but the composition ({self.options.describe()}) runs it; pass memory=false")  # fmt: skip
         if self.options.memory is False and (self.write_rule, self.budget_matched, self.memory_dtype) != (
             None,
             False,
