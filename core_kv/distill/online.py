@@ -313,6 +313,8 @@ class ReleasedTrainer(Trainer):
 
         d = to_dict(self.cfg)
         o = dict(d["online"])
+        if not o.get("ablate_features"):  # no ablation: the same keys as runs made before the option existed
+            o.pop("ablate_features", None)
         base = {"fingerprint": self.fingerprint, "seed": d["seed"], "grad_accum": d["grad_accum"],
                 "micro_batch": d["micro_batch"], "train_docs": d["train_docs"],
                 "teacher": {"model": d["teacher"]["model"], "data": d["teacher"]["data"]}}  # fmt: skip
