@@ -314,13 +314,13 @@ class CoreModel(CorePreTrainedModel):
         return core.eval()
 
     def policy(self) -> InferencePolicy:
-        """The recorded inference policy (the paper's press for every ratio when none is recorded)."""
-        if self.config.inference_policy is None and not self.config.memory_trained:
-            return InferencePolicy.single(PolicyOptions(memory=False),
-                                          validation={"note": "no policy recorded, no trained memory: the paper's "
-                                                              "scorer without the memory"})  # fmt: skip
+        """The recorded inference policy (when none is recorded: the paper's press for every ratio, without the memory
+        if it was never trained)."""
         if self.config.inference_policy is None:
-            return InferencePolicy.single(PAPER, validation={"note": "no policy recorded: the paper's press"})
+            if self.config.memory_trained:
+                return InferencePolicy.single(PAPER, validation={"note": "no policy recorded: the paper's press"})
+            note = "no policy recorded, no trained memory: the paper's scorer without the memory"
+            return InferencePolicy.single(PolicyOptions(memory=False), validation={"note": note})
         return InferencePolicy.from_dict(self.config.inference_policy)
 
     def num_parameters_by_part(self) -> dict:
