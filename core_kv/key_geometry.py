@@ -15,6 +15,14 @@ The draws are ours (``torch.Generator`` streams seeded by ``geometry_seed``), no
 maps have the same distribution, not the same numbers. They are stored in every artifact, so an artifact never
 depends on redrawing them.
 
+**Fitted** (:meth:`KeyGeometry.fit`; not in the release: the one-choice ablation of issue 44, ``online.geometry=fitted``).
+The same three maps, the first two fitted to keys of the base model, as core_kv's v2 geometry is (per-head PCA and
+spherical k-means, :mod:`core_kv.teacher.geometry`), in the release's head-shared form so that every feature and the
+artifact format stay as they are: ``P_l`` = the top ``d_z`` principal directions of ``k̄`` (eigenvectors of its
+covariance over the calibration tokens, as rows); the prototypes = a spherical k-means codebook of the centred
+directions ``ẑ`` (centred per document, as the features centre per event), pooled over the layers because the
+release's prototypes are shared by every layer; the rotation = the drawn one.
+
 Shapes: L layers, Hkv KV heads, D head dim, N tokens, d_z projected dim, M prototypes.
 """
 
@@ -71,6 +79,54 @@ class KeyGeometry:
         rotation = (hadamard(size)[:d_z, :d_z] * signs[None, :] / math.sqrt(d_z)).float()
         return cls(projection, prototypes, rotation)
 
+    @classmethod
+    def fit(
+        cls,
+        keys: list[list[torch.Tensor]],
+        d_z: int = D_Z,
+        num_prototypes: int = NUM_PROTOTYPES,
+        seed: int = GEOMETRY_SEED,
+        iters: int = 25,
+        max_points: int = 16384,
+    ) -> KeyGeometry:
+        """Fit the projection and the prototypes to ``keys[layer]`` (one post-RoPE ``(Hkv, N, D)`` tensor per
+        calibration document); the rotation is :meth:`draw`'s for ``seed``. Deterministic (CPU generator).
+
+        Args:
+            keys: Per layer, the calibration documents' keys.
+            d_z, num_prototypes, seed: As :meth:`draw`.
+            iters: Spherical k-means iterations (Lloyd's, cosine assignment, mean direction update).
+            max_points: At most this many centred directions enter the k-means (a seeded draw when there are more).
+        """
+        if not keys or any(not docs for docs in keys):
+            raise ValueError("KeyGeometry.fit needs at least one calibration document in every layer")
+        hkv, _, d = keys[0][0].shape
+        if d_z > hkv * d:
+            raise ValueError(f"KeyGeometry.fit: d_z = {d_z} exceeds the key width Hkv·D = {hkv}·{d}")
+        drawn = cls.draw(len(keys), hkv, d, d_z, num_prototypes, seed)
+        projection = torch.empty_like(drawn.projection)
+        for layer, docs in enumerate(keys):
+            k_bar = torch.cat([_concat_normalised(k) for k in docs]).double()
+            cov = torch.cov(k_bar.T)
+            _, vecs = torch.linalg.eigh(cov)  # ascending eigenvalues
+            projection[layer] = vecs[:, -d_z:].flip(-1).T.float()
+        fitted = cls(projection, drawn.prototypes, drawn.rotation)
+        directions = []
+        for layer, docs in enumerate(keys):
+            for k in docs:
+                z = fitted.project(layer, k)
+                c = z - z.mean(0, keepdim=True)
+                norm = c.norm(dim=-1, keepdim=True)
+                directions.append(c[norm[:, 0] > 1e-6] / norm[norm[:, 0] > 1e-6])
+        points = torch.cat(directions)
+        g = torch.Generator().manual_seed(int(seed) + 1)
+        if points.shape[0] > max_points:
+            points = points[torch.randperm(points.shape[0], generator=g)[:max_points]]
+        if points.shape[0] < num_prototypes:
+            raise ValueError(f"KeyGeometry.fit: {points.shape[0]} calibration directions for {num_prototypes} "
+                             "prototypes; give more calibration tokens")  # fmt: skip
+        return cls(projection, spherical_kmeans(points, num_prototypes, iters, g), drawn.rotation)
+
     @property
     def d_z(self) -> int:
         return self.projection.shape[1]
@@ -87,14 +143,37 @@ class KeyGeometry:
         p = self.projection[layer].to(keys.device)
         if p.shape[1] != hkv * d:
             raise ValueError(f"key geometry expects Hkv·D = {p.shape[1]} key columns, got {hkv}·{d}")
-        k = keys.float()
-        k = k / (k.norm(dim=-1, keepdim=True) + EPS)
-        k_bar = k.transpose(0, 1).reshape(n, hkv * d)  # (N, Hkv·D), heads in order
-        z = k_bar @ p.float().T
+        z = _concat_normalised(keys) @ p.float().T
         return z / (z.norm(dim=-1, keepdim=True) + EPS)
 
     def to(self, device) -> KeyGeometry:
         return KeyGeometry(self.projection.to(device), self.prototypes.to(device), self.rotation.to(device))
 
 
-__all__ = ["D_Z", "GEOMETRY_SEED", "NUM_PROTOTYPES", "KeyGeometry", "hadamard"]
+def _concat_normalised(keys: torch.Tensor) -> torch.Tensor:
+    """``k̄``: per-head L2-normalised keys ``(Hkv, N, D)`` concatenated over the heads, in order -> ``(N, Hkv·D)``."""
+    hkv, n, d = keys.shape
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + EPS)
+    return k.transpose(0, 1).reshape(n, hkv * d)
+
+
+def spherical_kmeans(points: torch.Tensor, m: int, iters: int, generator: torch.Generator) -> torch.Tensor:
+    """``m`` unit centroids of unit ``points`` (P, d): seeded initial points, then ``iters`` rounds of nearest-by-cosine
+    assignment and normalised-mean update; an empty cluster restarts at the point its centroid fits worst."""
+    centroids = points[torch.randperm(points.shape[0], generator=generator)[:m]].clone()
+    for _ in range(iters):
+        cos = points @ centroids.T
+        assign = cos.argmax(-1)
+        sums = torch.zeros_like(centroids).index_add_(0, assign, points)
+        counts = torch.bincount(assign, minlength=m)
+        worst = cos.max(-1).values.argsort()
+        refill = 0
+        for j in (counts == 0).nonzero().flatten().tolist():
+            sums[j] = points[worst[refill]]
+            refill += 1
+        centroids = torch.nn.functional.normalize(sums, dim=-1, eps=EPS)
+    return centroids
+
+
+__all__ = ["D_Z", "GEOMETRY_SEED", "NUM_PROTOTYPES", "KeyGeometry", "hadamard", "spherical_kmeans"]

@@ -162,6 +162,46 @@ def test_key_geometry_is_fixed_by_its_seed_and_normalises_per_head():
         a.project(2, k)
 
 
+def test_fitted_key_geometry_against_a_naive_pca_and_kmeans():
+    """``KeyGeometry.fit``: the projection spans the top principal subspace of k̄ (a naive covariance eigenbasis), its
+    rows are orthonormal; the codebook is a fixed point of the spherical k-means update and fits the centred directions
+    better than the drawn prototypes; the rotation is the drawn one; the same seed gives the same maps."""
+    g = torch.Generator().manual_seed(3)
+    mix = torch.randn(2, 3 * 4, 3 * 4, generator=g)  # correlated key columns, one mix per layer
+    keys = [[(torch.randn(70, 12, generator=g) @ mix[layer]).reshape(70, 3, 4).transpose(0, 1) for _ in range(3)]
+            for layer in range(2)]  # fmt: skip
+    geo = KeyGeometry.fit(keys, d_z=5, num_prototypes=6, seed=4)
+    again = KeyGeometry.fit(keys, d_z=5, num_prototypes=6, seed=4)
+    assert torch.equal(geo.projection, again.projection) and torch.equal(geo.prototypes, again.prototypes)
+    assert geo.projection.shape == (2, 5, 12) and geo.prototypes.shape == (6, 5)
+    assert torch.equal(geo.rotation, KeyGeometry.draw(2, 3, 4, 5, 6, seed=4).rotation)
+    centred_dirs = []
+    for layer in range(2):
+        p = geo.projection[layer].double()
+        torch.testing.assert_close(p @ p.T, torch.eye(5, dtype=torch.float64), atol=1e-5, rtol=0)
+        k_bar = torch.cat(
+            [torch.nn.functional.normalize(k, dim=-1).transpose(0, 1).reshape(70, 12) for k in keys[layer]]
+        )
+        k_bar = k_bar.double() - k_bar.double().mean(0)
+        vals, vecs = torch.linalg.eigh(k_bar.T @ k_bar)
+        top = vecs[:, -5:]  # the same subspace: every singular value of P·top is 1
+        torch.testing.assert_close(torch.linalg.svdvals(p @ top), torch.ones(5, dtype=torch.float64), atol=1e-4, rtol=0)
+        for k in keys[layer]:
+            z = geo.project(layer, k)
+            centred_dirs.append(torch.nn.functional.normalize(z - z.mean(0), dim=-1))
+    pts = torch.cat(centred_dirs)
+    torch.testing.assert_close(geo.prototypes.norm(dim=-1), torch.ones(6))
+    assign = (pts @ geo.prototypes.T).argmax(-1)
+    update = torch.nn.functional.normalize(torch.zeros(6, 5).index_add_(0, assign, pts), dim=-1)
+    torch.testing.assert_close(update, geo.prototypes, atol=1e-4, rtol=0)  # converged (25 Lloyd rounds)
+    drawn = KeyGeometry.draw(2, 3, 4, 5, 6, seed=4).prototypes
+    assert (pts @ geo.prototypes.T).max(-1).values.mean() > (pts @ drawn.T).max(-1).values.mean() + 0.05
+    with pytest.raises(ValueError, match="d_z = 13 exceeds the key width"):
+        KeyGeometry.fit(keys, d_z=13)
+    with pytest.raises(ValueError, match="420 calibration directions for 500 prototypes"):
+        KeyGeometry.fit(keys, d_z=5, num_prototypes=500)
+
+
 def test_auxiliary_features():
     v = torch.randn(2, 6, 4)
     pos = torch.tensor([0, 3, 4, 10, 18, 19])

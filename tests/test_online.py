@@ -289,3 +289,42 @@ def test_ablate_features_names_the_unknown_entry():
 
     with pytest.raises(ValueError, match="ablated_features.*'nope'"):
         CoreConfig(ablated_features=["nope"])
+
+
+def _stage_keys(*overrides: str) -> dict:
+    from core_kv.distill.online import ReleasedTrainer
+
+    tr = object.__new__(ReleasedTrainer)  # stage_keys reads only the config and the base model's fingerprint
+    tr.cfg = load_config(TrainConfig, [str(ROOT / "configs/train/smollm2_released.yaml"), *overrides])
+    tr.fingerprint = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "digest": "x"}
+    return tr.stage_keys()
+
+
+def test_options_at_the_release_default_keep_finished_stages():
+    """Stage keys of the shipped SmolLM2 recipe as computed before ``online.ablate_features`` and ``online.geometry``
+    existed (commit 3810a77): a run started then resumes its finished stages; an ablation gets its own keys."""
+    golden = {"online_indexer": "73606c388799409c", "online_joint": "31bc5e9d6e675bf1"}
+    assert _stage_keys() == golden
+    assert _stage_keys("online.geometry=drawn", "online.geometry_docs=3", "online.ablate_features=[]") == golden
+    fitted = _stage_keys("online.geometry=fitted")
+    assert fitted["online_indexer"] != golden["online_indexer"] and fitted["online_joint"] != golden["online_joint"]
+
+
+def test_fitted_geometry_goes_into_the_artifact(tmp_path):
+    """``online.geometry=fitted``: the artifact stores a fitted geometry (orthonormal projection rows, fitted
+    prototypes, the drawn rotation) and records the choice (the fit itself: test_features_v3.py)."""
+    from core_kv.core_model import CoreModel
+    from core_kv.key_geometry import KeyGeometry
+
+    out = tmp_path / "run"
+    run(tiny_args(out, "online.memory=false", "online.total_steps=1", "online.indexer_steps=1",
+                  "online.geometry=fitted", "online.geometry_docs=2", "online.d_z=8", "online.num_prototypes=8"))  # fmt: skip
+    core = CoreModel.from_pretrained(out / "final")
+    geo = core.key_geometry()
+    assert core.config.teacher["geometry"] == "fitted"
+    for layer in range(2):
+        p = geo.projection[layer]
+        torch.testing.assert_close(p @ p.T, torch.eye(8), atol=1e-5, rtol=0)
+    drawn = KeyGeometry.draw(2, 2, 16, 8, 8, seed=42)
+    assert not torch.allclose(geo.prototypes, drawn.prototypes)
+    torch.testing.assert_close(geo.rotation, drawn.rotation)

@@ -135,6 +135,10 @@ class OnlineConfig:
 
     Args:
         geometry_seed: Seed of the fixed projection, prototypes and rotation.
+        geometry: ``drawn`` (the release: fixed random maps) or ``fitted`` (projection by PCA and prototypes by
+            spherical k-means on the keys of the first ``geometry_docs`` training documents,
+            :meth:`~core_kv.key_geometry.KeyGeometry.fit`; the one-choice ablation of core_kv's fitted geometry).
+        geometry_docs: Calibration documents of the fitted geometry (``short_len`` tokens each).
         d_z, num_prototypes: Projected key width and prototype count (64, 64).
         drive_beta, drive_alpha, drive_tau, drive_steps, teacher_temperature: The DRIVE teacher (128, 1, 8, 8, 1).
         student_temperature: τ_m: the student's distribution is ``softmax(s / τ_m)`` (KL, hinge margin, memory writes).
@@ -172,6 +176,8 @@ class OnlineConfig:
     """
 
     geometry_seed: int = option(42, ge=0)
+    geometry: str = option("drawn", choices=("drawn", "fitted"))
+    geometry_docs: int = option(8, gt=0)
     d_z: int = option(64, gt=0)
     num_prototypes: int = option(64, gt=0)
     drive_beta: float = option(128.0, ge=0)

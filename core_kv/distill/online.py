@@ -315,6 +315,9 @@ class ReleasedTrainer(Trainer):
         o = dict(d["online"])
         if not o.get("ablate_features"):  # no ablation: the same keys as runs made before the option existed
             o.pop("ablate_features", None)
+        if o.get("geometry") == "drawn":  # the release's geometry: the same keys as before the option existed
+            o.pop("geometry", None)
+            o.pop("geometry_docs", None)
         base = {"fingerprint": self.fingerprint, "seed": d["seed"], "grad_accum": d["grad_accum"],
                 "micro_batch": d["micro_batch"], "train_docs": d["train_docs"],
                 "teacher": {"model": d["teacher"]["model"], "data": d["teacher"]["data"]}}  # fmt: skip
@@ -326,12 +329,24 @@ class ReleasedTrainer(Trainer):
     def setup(self) -> None:
         cfg, acc, o = self.cfg, self.acc, self.cfg.online
         fp = self.fingerprint
-        self.key_geo = KeyGeometry.draw(fp["layers"], fp["kv_heads"], fp["head_dim"], o.d_z, o.num_prototypes,
-                                        o.geometry_seed)  # fmt: skip
+        self._docs = {}
+        if o.geometry == "fitted":
+            docs = self.length_docs(o.short_len, list(range(o.geometry_docs)))
+            keys: list[list[torch.Tensor]] = [[] for _ in range(fp["layers"])]
+            for doc in docs:
+                for layer, a in enumerate(capture(self.model, torch.tensor([doc.ids], device=acc.device))):
+                    keys[layer].append(a.k_post.float().cpu())
+            self.key_geo = KeyGeometry.fit(keys, o.d_z, o.num_prototypes, o.geometry_seed)
+            self.print(
+                f"key geometry fitted on {len(docs)} training documents ({sum(len(d.ids) for d in docs)} tokens)"
+            )
+        else:
+            self.key_geo = KeyGeometry.draw(fp["layers"], fp["kv_heads"], fp["head_dim"], o.d_z, o.num_prototypes,
+                                            o.geometry_seed)  # fmt: skip
         self.drive = DriveConfig(o.drive_beta, o.drive_alpha, o.drive_tau, o.drive_steps, o.teacher_temperature)
         special = sorted(int(i) for i in (getattr(self.tok, "all_special_ids", None) or []))
         teacher = {"recipe": "released", "drive": to_dict(self.drive), "sinks": o.sinks, "budgets": list(o.budgets),
-                   "student_temperature": o.student_temperature}  # fmt: skip
+                   "student_temperature": o.student_temperature, "geometry": o.geometry}  # fmt: skip
         self.core_config = CoreConfig(
             num_layers=fp["layers"], num_heads=fp["heads"], num_kv_heads=fp["kv_heads"], head_dim=fp["head_dim"],
             d_z=o.d_z, num_prototypes=o.num_prototypes, memory_dim=o.memory_dim, protected_sinks=o.sinks,
@@ -348,7 +363,6 @@ class ReleasedTrainer(Trainer):
         self.core.indexer.temperature.fill_(o.student_temperature)
         self.core.to(acc.device)
         self.autocast = acc.autocast() if acc.mixed_precision != "no" else None
-        self._docs = {}
         if cfg.wandb:
             import os
 
