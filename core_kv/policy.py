@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from core_kv.config import parse_layers
 
 POLICY_VERSION = 1
-HEAD_BUDGETS = ("uniform", "adaptive")
+HEAD_BUDGETS = ("uniform", "adaptive", "shared")
 HEAD_POOLS = ("score", "output")
 
 
@@ -28,8 +28,11 @@ class PolicyOptions:
     """One composition of CORE's pieces.
 
     Args:
-        head_budgets: ``uniform`` (the paper: B per (layer, KV head)) or ``adaptive`` (AdaKV's head-wise budgets,
-            https://arxiv.org/abs/2407.11550, around the scorer).
+        head_budgets: ``uniform`` (the paper: B per (layer, KV head)), ``adaptive`` (AdaKV's head-wise budgets,
+            https://arxiv.org/abs/2407.11550, around the scorer) or ``shared`` (B per layer, the same positions in
+            every KV head: the Top-B of ``p`` averaged over the heads, the release's head-shared scores applied to a
+            per-head scorer; :mod:`core_kv.presses.head_shared`, docs/method.md "Which released choices carry the
+            quality").
         head_pool: With ``adaptive``: what the heads compete on, ``score`` (the calibrated ``p``) or ``output``
             (``(p + pool_epsilon)·‖v‖``, ExpectedAttention's formula over CORE's ``p``).
         repair: TwinKV's repair pass (``../shared/papers/001_e5fc3a72c13765dd.txt`` §3.2-3.4) on the retained sets.
@@ -56,6 +59,9 @@ class PolicyOptions:
             raise ValueError(f"head_pool={self.head_pool!r} pools across heads: it needs head_budgets='adaptive'")
         if not isinstance(self.repair, bool):
             raise ValueError(f"repair must be true or false, got {self.repair!r}")
+        if self.head_budgets == "shared" and self.repair:
+            raise ValueError("head_budgets='shared' keeps one set for every KV head; the repair pass swaps per head: "
+                             "set repair=false")  # fmt: skip
         if isinstance(self.memory, str):
             if self.memory.strip().lower() in ("true", "false", "yes", "no", "on", "off", "0", "1", "none", ""):
                 raise ValueError(f"memory must be true or false (a boolean) or a layer list like '0-5,8', got the "
@@ -78,7 +84,7 @@ class PolicyOptions:
 
     def describe(self) -> str:
         """A short label, e.g. ``adaptive/output + repair, memory off``."""
-        head = "uniform" if self.head_budgets == "uniform" else f"adaptive/{self.head_pool}"
+        head = f"adaptive/{self.head_pool}" if self.head_budgets == "adaptive" else self.head_budgets
         mem = {True: "memory", False: "memory off"}.get(self.memory, f"memory in {self.memory}")
         return f"{head}{' + repair' if self.repair else ''}, {mem}"
 
@@ -189,12 +195,13 @@ MIN_SEED = 1000  # validation seeds start here; evaluation seeds (RULER 42-46, h
 
 def candidate_grid() -> list[PolicyOptions]:
     """The compositions the policy stage compares by default: {uniform, adaptive/score, adaptive/output} x
-    {repair off, on} x {memory on, off} (12; the paper's press first)."""
+    {repair off, on} x {memory on, off}, then shared (no repair) x {memory on, off} (14; the paper's press first)."""
     heads = [("uniform", "score"), ("adaptive", "score"), ("adaptive", "output")]
-    return [
+    grid = [
         PolicyOptions(head_budgets=h, head_pool=pool, repair=r, memory=m)
         for m in (True, False) for h, pool in heads for r in (False, True)
     ]  # fmt: skip
+    return grid + [PolicyOptions(head_budgets="shared", memory=m) for m in (True, False)]
 
 
 @dataclass

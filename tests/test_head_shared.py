@@ -86,3 +86,22 @@ def test_refuses_headwise_budgets_and_a_ragged_cache():
     keys = torch.randn(1, 2, 6, 8)
     with pytest.raises(ValueError, match=r"layer 3 holds a ragged cache \(\[5, 6\]"):
         press.score(SimpleNamespace(layer_idx=3), None, keys, keys, None, {"kv_lengths": torch.tensor([5, 6])})
+
+
+def test_core_press_with_shared_budgets_is_head_shared_around_its_scorer(artifact, llama):
+    """``core`` with ``head_budgets="shared"`` (a policy composition) keeps exactly what ``head_shared(core_scorer)``
+    keeps, and the memory wraps it (outermost) when on."""
+    from core_kv.presses.head_shared import HeadSharedPress
+    from core_kv.presses.latent_memory import LatentMemoryPress
+
+    ctx = ids()
+    core = build_press("core", checkpoint=str(artifact), compression_ratio=0.6, head_budgets="shared", memory=False)
+    assert isinstance(core.press, HeadSharedPress) and core.options.describe() == "shared, memory off"
+    ref = build_press("head_shared", press="core_scorer", press_options={"checkpoint": str(artifact)},
+                      compression_ratio=0.6)  # fmt: skip
+    a, b = prefill(llama, ctx, core), prefill(llama, ctx, ref)
+    for layer in range(llama.config.num_hidden_layers):
+        torch.testing.assert_close(a.layers[layer].keys, b.layers[layer].keys, rtol=0, atol=0)
+    with_memory = build_press("core", checkpoint=str(artifact), compression_ratio=0.6, head_budgets="shared",
+                              memory=True)  # fmt: skip
+    assert isinstance(with_memory.press, LatentMemoryPress) and isinstance(with_memory.press.press, HeadSharedPress)

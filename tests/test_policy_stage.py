@@ -180,8 +180,10 @@ def test_stage_resumes_from_its_cached_scores_and_refreshes_them_for_new_weights
 
 def test_candidate_grid_and_bad_policy_options():
     grid = candidate_grid()
-    assert len(grid) == 12 and grid[0] == PAPER and len(set(grid)) == 12
+    assert len(grid) == 14 and grid[0] == PAPER and len(set(grid)) == 14
+    assert [g.describe() for g in grid[-2:]] == ["shared, memory", "shared, memory off"]
     for bad, what in (({"head_pool": "output"}, "head_budgets"), ({"memory": "x"}, "memory"),
+                      ({"head_budgets": "shared", "repair": True}, "repair=false"),
                       ({"repair": "yes"}, "repair"), ({"alpha_safeguard": 2}, "alpha_safeguard"), ({"k": 1}, "k")):  # fmt: skip
         with pytest.raises(ValueError, match=what):
             PolicyStageConfig(candidates=[bad]).check()

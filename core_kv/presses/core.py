@@ -7,6 +7,7 @@ The pieces are presses, composed by wrapping (kvpress's ``AdaKVPress(press)`` pa
 
     press = CoreScorerPress(checkpoint)                          # retention: Top-B of the indexer's scores
     press = AdaKVPress(press, pool="score" | "output")           # policy head_budgets="adaptive" (head_pool)
+    press = HeadSharedPress(press)                               # or head_budgets="shared": one set for every head
     press = TwinRepairPress(press)                               # policy repair=True
     press = LatentMemoryPress(press)                             # policy memory (outermost: it writes the final
                                                                  # evicted set, after AdaKV and the repair)
@@ -38,6 +39,7 @@ from core_kv.presses.adakv import AdaKVPress
 from core_kv.presses.base import BasePress, WrapperPress
 from core_kv.presses.core_scorer import CoreScorerPress
 from core_kv.presses.fast_memory import FastMemoryPress
+from core_kv.presses.head_shared import HeadSharedPress
 from core_kv.presses.latent_memory import LatentMemoryPress
 from core_kv.presses.released_scorer import CoreReleasedScorerPress
 from core_kv.presses.twin_repair import TwinRepairPress
@@ -110,8 +112,8 @@ class CorePress(WrapperPress, name="core"):
         if self.policy == "artifact" and scorer._core is not None:
             base = scorer.core.policy().for_ratio(self.compression_ratio if self.budget is None else None)
         given = {k: getattr(self, k) for k in OVERRIDES if getattr(self, k) is not None}
-        if given.get("head_budgets") == "uniform" and "head_pool" not in given:
-            given["head_pool"] = "score"  # uniform budgets pool nothing
+        if given.get("head_budgets") in ("uniform", "shared") and "head_pool" not in given:
+            given["head_pool"] = "score"  # uniform and shared budgets pool nothing across heads
         try:
             self.options = PolicyOptions.from_dict({**base.to_dict(), **given}, f"{self.name}")
         except ValueError as e:
@@ -193,8 +195,11 @@ def compose(
     memory_dtype: str | None = None,
     memory_class: type[LatentMemoryPress] = LatentMemoryPress,
 ) -> BasePress:
-    """The stack for ``options`` around ``scorer``: AdaKV, then the repair pass, then the memory (outermost)."""
+    """The stack for ``options`` around ``scorer``: AdaKV (or the head-shared selection), then the repair pass, then
+    the memory (outermost)."""
     press: BasePress = scorer
+    if options.head_budgets == "shared":
+        press = HeadSharedPress(press=press)
     if options.head_budgets == "adaptive":
         press = AdaKVPress(
             press=press,
