@@ -217,7 +217,7 @@ class PolicyStageConfig:
         length: Context tokens per validation prompt.
         per_task: Prompts per task (the same prompts for every candidate and ratio).
         seed: Validation seed (>= :data:`MIN_SEED`).
-        candidates: Compositions to compare, each a mapping of :class:`PolicyOptions` fields; empty = the 12 of
+        candidates: Compositions to compare, each a mapping of :class:`PolicyOptions` fields; empty = the 14 of
             :func:`candidate_grid`.
     """
 
