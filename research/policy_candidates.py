@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
             choices[r] = choose([(PolicyOptions.from_dict(x["options"]), x) for x in rows])
         bands = bands_from_choices(choices)
         default = min(range(len(bands)), key=lambda i: abs(bands[i].validated_at - 0.75))
+        added = (policy["validation"].get("extended") or {}).get("candidates", [])  # earlier --record runs' additions
+        added += [c.to_dict() for c in candidates if c.to_dict() not in added]
         validation = {**policy["validation"], "rule": RULE,
-                      "extended": {"candidates": [c.to_dict() for c in candidates], "by": "research.policy_candidates"}}  # fmt: skip
+                      "extended": {"candidates": added, "by": "research.policy_candidates"}}  # fmt: skip
         record(Path(args.artifact), InferencePolicy(bands, default, table, validation))
         print("recorded:", {r: o.describe() for r, o in choices.items()})
     return out
