@@ -2,9 +2,10 @@
 
 ``train.py`` runs it after the artifact is written (``policy.*`` options, :class:`~core_kv.policy.PolicyStageConfig`).
 For a feature spec v3 artifact (the released design) only the candidates with uniform budgets and no repair pass
-apply (memory on or off). For every validation ratio, every candidate composition (:func:`~core_kv.policy.candidate_grid`: uniform or AdaKV
-head-wise budgets pooled over ``p`` or ``(p + ε)·‖v‖``, with or without TwinKV's repair pass, or one kept set per
-layer shared by the KV heads; with or without the latent memory) compresses the context of every validation prompt (:mod:`core_kv.eval.validation`: own wording, keys,
+apply (memory on or off). For every validation ratio, every candidate composition
+(:func:`~core_kv.policy.candidate_grid`: uniform or AdaKV head-wise budgets pooled over ``p`` or ``(p + ε)·‖v‖``,
+with or without TwinKV's repair pass, or one kept set per layer shared by the KV heads; with or without the latent
+memory) compresses the context of every validation prompt (:mod:`core_kv.eval.validation`: own wording, keys,
 haystacks and seeds; no evaluation context is ever read), and the answer is scored by teacher forcing:
 
 - ``accuracy``: the share of prompts whose every answer token is the model's top-1 (what greedy decoding would emit);
