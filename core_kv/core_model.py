@@ -321,7 +321,10 @@ class CoreModel(CorePreTrainedModel):
                 return InferencePolicy.single(PAPER, validation={"note": "no policy recorded: the paper's press"})
             note = "no policy recorded, no trained memory: the paper's scorer without the memory"
             return InferencePolicy.single(PolicyOptions(memory=False), validation={"note": note})
-        return InferencePolicy.from_dict(self.config.inference_policy)
+        where = f"{self.config.name_or_path}/config.json: inference_policy" if self.config.name_or_path else None
+        policy = InferencePolicy.from_dict(self.config.inference_policy, where or "inference_policy")
+        policy.check_layers(self.config.num_layers, where or "inference_policy")
+        return policy
 
     def num_parameters_by_part(self) -> dict:
         return {
@@ -349,6 +352,10 @@ def check_artifact(path: Path) -> None:
             f"{path} is not a CORE artifact (config.json model_type {model_type!r}, expected 'core_kv'): a base "
             "model folder? CORE artifacts are the final/ folders train.py writes"
         )
+    if not isinstance(stored.get("feature_spec"), dict) or "version" not in stored["feature_spec"]:
+        # CoreConfig would default it to the current spec, and the press would compute features it never learned on
+        raise ValueError(f"{cfg_file}: no feature_spec field with a version (got {stored.get('feature_spec')!r}); every "
+                         "artifact train.py writes records it (a v1 artifact too): a damaged or hand-made config")  # fmt: skip
     try:
         config = CoreConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, TypeError) as e:
@@ -359,7 +366,8 @@ def check_artifact(path: Path) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{cfg_file}: {name} must be an integer >= {low}, got {v!r}")
     if config.inference_policy is not None:
-        InferencePolicy.from_dict(config.inference_policy, f"{cfg_file}: inference_policy")
+        policy = InferencePolicy.from_dict(config.inference_policy, f"{cfg_file}: inference_policy")
+        policy.check_layers(config.num_layers, f"{cfg_file}: inference_policy")
     if config.num_heads % config.num_kv_heads:
         raise ValueError(f"{cfg_file}: num_heads ({config.num_heads}) must be a multiple of num_kv_heads")
     if not weights.is_file():

@@ -13,8 +13,26 @@ from pathlib import Path
 from typing import Any
 
 
+def umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def plain_modes(path: str | os.PathLike) -> None:
+    """Give ``path`` (a file, or a folder and everything in it) the mode a plain ``open(..., "w")``/``mkdir`` would:
+    ``0o666``/``0o777`` less the umask. Temporary files and folders (``mkstemp``, ``mkdtemp``, safetensors'
+    writer) are owner-only; renamed into place they would keep that, and another user could not read the result."""
+    path, mask = Path(path), umask()
+    for p in [path, *(sorted(path.rglob("*")) if path.is_dir() else ())]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` then rename the temporary file onto ``path`` (same directory, so atomic)."""
+    """Call ``write(tmp_path)`` then rename the temporary file onto ``path`` (same directory, so atomic); the file
+    gets the mode a plain write would (the umask's, not ``mkstemp``'s owner-only ``0600``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -22,6 +40,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     try:
         with writing(path):  # a full disk is named as such, with the path
             write(tmp)
+            plain_modes(tmp)
             os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -19,6 +19,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from core_kv.files import plain_modes
+
 LOCK_NAME = ".core_kv.lock"
 # what each writer leaves in its folder: a folder holding another writer's marker is refused (the names collide)
 MARKERS = {
@@ -82,6 +84,7 @@ def acquire(folder: str | os.PathLike, what: str = "run") -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({**_owner(), "what": what}, f)
+        plain_modes(tmp)  # readable by other users as a plain file (who holds the folder)
         for _ in range(3):
             try:
                 os.link(tmp, path)  # atomic: fails if the lock exists

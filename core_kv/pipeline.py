@@ -111,6 +111,17 @@ def prefill(
 
 
 @torch.inference_mode()
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` when they hold no NaN or +Inf (``-inf`` masks are fine), else ``FloatingPointError``: an answer
+    decoded from them (``argmax`` of NaN is token 0) would be stored as a real result."""
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise FloatingPointError(
+            "the model produced non-finite logits (NaN/Inf): its weights (or the cache a press left) are corrupt; "
+            "nothing is stored for this cell — check the model's weights and rerun"
+        )
+    return logits
+
+
 def greedy_answer(
     model: nn.Module,
     cache: DynamicCache,
@@ -148,7 +159,7 @@ def greedy_answer(
             position_ids = torch.arange(pos, pos + ids.shape[1], device=device)[None]
             out = model(input_ids=ids, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{key: cache})
             pos += ids.shape[1]
-            logits = out.logits[0, -1]
+            logits = finite_logits(out.logits[0, -1])
             banned = [t for t in sorted(eos) if t < logits.shape[-1]] if len(generated) < min_new_tokens else []
             if banned:  # the answer may not end before min_new_tokens (an eos id outside the vocabulary never wins)
                 logits = logits.clone()

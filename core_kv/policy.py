@@ -75,6 +75,14 @@ class PolicyOptions:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
                 raise ValueError(f"{name} must be a number in [{low}, {high}], got {v!r}")
 
+    def check_layers(self, num_layers: int, where: str = "policy") -> None:
+        """Raise ``ValueError`` naming ``where`` when ``memory`` lists layers a model of ``num_layers`` lacks."""
+        if isinstance(self.memory, str):
+            beyond = [i for i in parse_layers(self.memory, f"{where}: memory") if i >= num_layers]
+            if beyond:
+                raise ValueError(f"{where}: memory {self.memory!r} names layers {beyond} but the model has "
+                                 f"{num_layers} layers (0-{num_layers - 1})")  # fmt: skip
+
     @property
     def memory_layers(self) -> str | None:
         """``None`` without memory, ``""`` for every layer, else the layer list."""
@@ -93,6 +101,8 @@ class PolicyOptions:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "policy") -> PolicyOptions:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: policy options must be a mapping of option names to values, got {d!r}")
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -104,6 +114,24 @@ class PolicyOptions:
 
 
 PAPER = PolicyOptions()  # the paper's press: uniform budgets, mass-weighted memory in every layer
+RECORD_FIELDS = {"version", "bands", "default_band", "candidates", "validation"}  # of a recorded policy
+
+
+def _finite(v, name: str) -> float:
+    """``v`` when it is a finite number (not a string or a boolean), else ``ValueError`` naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _between(v, name: str, interval: str) -> float:
+    """``v`` when it is a finite number in ``interval`` (``"(0, 1]"``, ``"(0, 1)"`` or ``"[0, 1]"``)."""
+    x = _finite(v, name)
+    low_ok = x >= 0 if interval[0] == "[" else x > 0
+    high_ok = x <= 1 if interval[-1] == "]" else x < 1
+    if not (low_ok and high_ok):
+        raise ValueError(f"{name} must be in {interval}, got {v!r}")
+    return x
 
 
 @dataclass(frozen=True)
@@ -135,12 +163,44 @@ class InferencePolicy:
 
     def __post_init__(self):
         if not self.bands:
-            raise ValueError("an inference policy needs at least one band")
+            raise ValueError("bands: an inference policy needs at least one band")
+        for i, b in enumerate(self.bands):
+            _between(b.upto, f"bands[{i}].upto (a compression ratio)", "(0, 1]")
+            _between(b.validated_at, f"bands[{i}].validated_at (a compression ratio)", "(0, 1)")
         uptos = [b.upto for b in self.bands]
         if uptos != sorted(uptos) or len(set(uptos)) != len(uptos):
-            raise ValueError(f"policy bands must be in ascending order of 'upto', got {uptos}")
+            raise ValueError(f"bands: must be in ascending order of 'upto', got {uptos}")
+        if isinstance(self.default_band, bool) or not isinstance(self.default_band, int):
+            raise ValueError(f"default_band must be the index of a band (an integer), got {self.default_band!r}")
         if not 0 <= self.default_band < len(self.bands):
-            raise ValueError(f"default_band {self.default_band} is not one of the {len(self.bands)} bands")
+            raise ValueError(f"default_band {self.default_band} is not one of the {len(self.bands)} bands "
+                             f"(0-{len(self.bands) - 1})")  # fmt: skip
+        if not isinstance(self.candidates, dict):
+            raise ValueError(f"candidates must be a mapping of ratios to scored candidates, got {self.candidates!r}")
+        for r, rows in self.candidates.items():
+            try:
+                _between(float(r), "", "(0, 1)")
+            except (TypeError, ValueError):
+                raise ValueError(f"candidates: key {r!r} is not a compression ratio in (0, 1)") from None
+            if not isinstance(rows, list):
+                raise ValueError(f"candidates[{r!r}] must be a list of scored candidates, got {rows!r}")
+            for j, row in enumerate(rows):
+                at = f"candidates[{r!r}][{j}]"
+                if not isinstance(row, dict):
+                    raise ValueError(f"{at} must be a mapping (label, options, accuracy, logprob), got {row!r}")
+                for name in ("label", "options", "accuracy", "logprob"):
+                    if name not in row:
+                        raise ValueError(f"{at}: no {name!r} field")
+                PolicyOptions.from_dict(row["options"], f"{at}.options")
+                _between(row["accuracy"], f"{at}.accuracy", "[0, 1]")
+                _finite(row["logprob"], f"{at}.logprob")
+        if not isinstance(self.validation, dict):
+            raise ValueError(f"validation must be a mapping (how the validation set was made), got {self.validation!r}")
+
+    def check_layers(self, num_layers: int, where: str = "inference_policy") -> None:
+        """Every band's (and recorded candidate's) memory layers exist in a model of ``num_layers`` layers."""
+        for i, b in enumerate(self.bands):
+            b.options.check_layers(num_layers, f"{where}: bands[{i}].options")
 
     def band(self, ratio: float | None) -> Band:
         """The band of ``ratio`` (``None``: the default band)."""
@@ -167,21 +227,34 @@ class InferencePolicy:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "inference_policy") -> InferencePolicy:
-        if not isinstance(d, dict) or d.get("version") != POLICY_VERSION:
-            raise ValueError(f"{where}: policy version {d.get('version') if isinstance(d, dict) else d!r}, this code "
-                             f"reads v{POLICY_VERSION}")  # fmt: skip
+        """The policy of a recorded dict; every field is checked, a bad one raises ``ValueError`` naming ``where`` (the
+        file) and the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: an inference policy is a JSON object, got {d!r}")
+        if d.get("version") != POLICY_VERSION:
+            raise ValueError(f"{where}: version {d.get('version')!r}, this code reads v{POLICY_VERSION}")
+        unknown = sorted(set(d) - RECORD_FIELDS)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; a policy records {sorted(RECORD_FIELDS)}")
+        if "bands" not in d:
+            raise ValueError(f"{where}: no 'bands' field")
+        if not isinstance(d["bands"], list):
+            raise ValueError(f"{where}: bands must be a list of bands, got {d['bands']!r}")
+        bands = []
+        for i, b in enumerate(d["bands"]):
+            if not isinstance(b, dict):
+                raise ValueError(f"{where}: bands[{i}] must be a mapping (upto, validated_at, options), got {b!r}")
+            missing = sorted({"upto", "validated_at", "options"} - set(b))
+            extra = sorted(set(b) - {"upto", "validated_at", "options"})
+            if missing or extra:
+                raise ValueError(f"{where}: bands[{i}] " + (f"has no {missing} field(s)" if missing else
+                                 f"has unknown field(s) {extra}") + "; a band records upto, validated_at, options")  # fmt: skip
+            options = PolicyOptions.from_dict(b["options"], f"{where}: bands[{i}].options")
+            bands.append(Band(b["upto"], options, b["validated_at"]))
         try:
-            bands = [
-                Band(
-                    float(b["upto"]),
-                    PolicyOptions.from_dict(b["options"], f"{where} band {i}"),
-                    float(b["validated_at"]),
-                )
-                for i, b in enumerate(d["bands"])
-            ]
-            return cls(bands, int(d.get("default_band", 0)), d.get("candidates", {}), d.get("validation", {}))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{where}: malformed policy ({type(e).__name__}: {e})") from None
+            return cls(bands, d.get("default_band", 0), d.get("candidates", {}), d.get("validation", {}))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     @classmethod
     def single(cls, options: PolicyOptions, **record) -> InferencePolicy:
@@ -247,10 +320,20 @@ class PolicyStageConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < MIN_SEED:
             raise ValueError(f"{prefix}seed must be an integer >= {MIN_SEED} (lower seeds are evaluation draws), "
                              f"got {self.seed!r}")  # fmt: skip
+        seen: dict[PolicyOptions, int] = {}
         for i, c in enumerate(self.candidates):
             if not isinstance(c, dict):
                 raise ValueError(f"{prefix}candidates[{i}] must be a mapping of policy options, got {c!r}")
-            PolicyOptions.from_dict(dict(c), f"{prefix}candidates[{i}]")
+            options = PolicyOptions.from_dict(dict(c), f"{prefix}candidates[{i}]")
+            if options in seen:
+                raise ValueError(f"{prefix}candidates[{i}] repeats candidates[{seen[options]}] "
+                                 f"({options.describe()}): each candidate is scored once; remove one")  # fmt: skip
+            seen[options] = i
+
+    def check_layers(self, num_layers: int, prefix: str = "policy.") -> None:
+        """The candidates' memory layer lists name layers of a model of ``num_layers`` layers."""
+        for i, c in enumerate(self.candidate_options()):
+            c.check_layers(num_layers, f"{prefix}candidates[{i}]")
 
     def candidate_options(self) -> list[PolicyOptions]:
         if not self.candidates:

@@ -15,17 +15,17 @@ import torch
 from core_kv.distill.report import next_steps
 from core_kv.distill.trainer import train as distill
 from core_kv.eval.policy_stage import policy_markdown, run_policy_stage
-from core_kv.files import atomic_write_json, atomic_write_text
+from core_kv.files import atomic_write_json, atomic_write_text, read_json
+from core_kv.policy import InferencePolicy
 
 
 def train(cfg) -> dict:
     """Distil (or reuse) the artifact of ``cfg``, choose its inference policy, and return the run's summary; the last
-    lines printed are the artifact, its report and the commands that load and evaluate it."""
-    summary = distill(cfg)
+    lines printed are the artifact, its report and the commands that load and evaluate it. The policy stage runs
+    inside the run folder's lock, as the distillation does: a second run into the folder is refused until it ends."""
+    summary = distill(cfg, then=(lambda s: choose_policy(cfg, s)) if cfg.policy.enabled else None)
     if int(os.environ.get("RANK", "0")) != 0:
         return summary
-    if cfg.policy.enabled:
-        summary = choose_policy(cfg, summary)
     spec = cfg.teacher.model
     model = "<the base model (random_init: build it as teacher.model describes)>" if spec.random_init else spec.path
     print(next_steps(model, str(Path(cfg.out_dir) / "final"), cfg.out_dir), flush=True)
@@ -46,7 +46,9 @@ def choose_policy(cfg, summary: dict) -> dict:
               "policy (the paper's press)", flush=True)  # fmt: skip
         return summary
     print(f"[policy] choosing the inference policy on validation prompts ({out / 'stages' / 'policy'})", flush=True)
-    policy = run_policy_stage(cfg.policy, artifact, model, tok, out / "stages" / "policy", progress=cfg.progress)
+    run_policy_stage(cfg.policy, artifact, model, tok, out / "stages" / "policy", progress=cfg.progress)
+    cfg_file = artifact / "config.json"  # what is printed and reported is what the artifact holds
+    policy = InferencePolicy.from_dict(read_json(cfg_file, "CORE config").get("inference_policy"), str(cfg_file))
     summary["policy"] = policy.to_dict()
     atomic_write_json(out / "summary.json", summary)
     report = out / "report.md"
@@ -55,7 +57,7 @@ def choose_policy(cfg, summary: dict) -> dict:
     atomic_write_text(report, (text[:cut] if cut >= 0 else text).rstrip() + "\n\n" + policy_markdown(policy))
     for b in policy.bands:
         print(f"[policy] ratios up to {b.upto:g}: {b.options.describe()} (validated at {b.validated_at:g})")
-    print(f"[policy] recorded in {artifact / 'config.json'} (every candidate's scores: {report})")
+    print(f"[policy] recorded in {cfg_file} (every candidate's scores: {report})")
     return summary
 
 

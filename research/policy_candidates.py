@@ -30,6 +30,53 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+VALIDATION_FIELDS = ("tasks", "per_task", "context_tokens", "seed", "key")  # what rebuilding the prompts reads
+KEY_FIELDS = ("prompts", "weights")
+
+
+def parse_candidates(texts: list[str]) -> list:
+    """The ``--candidate`` JSON objects as :class:`~core_kv.policy.PolicyOptions` (a bad one exits naming it)."""
+    from core_kv.policy import PolicyOptions
+
+    out = []
+    for text in texts:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--candidate {text!r}: not JSON ({e.msg}); give a JSON object of policy options, e.g. "
+                             """--candidate '{"head_budgets": "shared", "memory": false}'""") from None  # fmt: skip
+        try:
+            out.append(PolicyOptions.from_dict(d, f"--candidate {text!r}"))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    return out
+
+
+def recorded_policy(artifact: Path) -> tuple[dict, dict]:
+    """``(config.json, its inference_policy)`` of ``artifact``, the policy checked field by field and its
+    ``validation`` record holding what rebuilding the prompts reads (a missing field exits naming it)."""
+    from core_kv.files import read_json
+    from core_kv.policy import InferencePolicy
+
+    cfg_file = artifact / "config.json"
+    config = read_json(cfg_file, "CORE config")
+    policy = config.get("inference_policy") if isinstance(config, dict) else None
+    if not policy or not policy.get("validation"):
+        raise SystemExit(f"{cfg_file}: records no policy stage (no validation prompts to rebuild)")
+    try:
+        InferencePolicy.from_dict(policy, f"{cfg_file}: inference_policy")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    val = policy["validation"]
+    missing = [f"validation.{k}" for k in VALIDATION_FIELDS if k not in val]
+    if not missing:
+        key = val["key"]
+        missing = [f"validation.key.{k}" for k in KEY_FIELDS if not isinstance(key, dict) or k not in key]
+    if missing:
+        raise SystemExit(f"{cfg_file}: inference_policy lacks {', '.join(missing)} (recorded by the policy stage): the "
+                         "validation prompts cannot be rebuilt and checked; rerun the policy stage (train.py)")  # fmt: skip
+    return config, policy
+
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -47,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tqdm import tqdm
 
     import core_kv.presses  # noqa: F401  (registers every press)
+    from core_kv.core_model import CoreModel, FingerprintMismatch
     from core_kv.eval.policy_stage import RULE, choose, record, score_prompt, summarise
     from core_kv.eval.press_labels import build_labelled_presses, parse_press_options
     from core_kv.eval.validation import validation_set
@@ -56,18 +104,21 @@ def main(argv: list[str] | None = None) -> dict:
     from core_kv.presses.core import compose
     from core_kv.presses.core_scorer import CoreScorerPress
 
-    candidates = [PolicyOptions.from_dict(json.loads(c), "--candidate") for c in args.candidate]
+    candidates = parse_candidates(args.candidate)
     if not args.methods and not candidates:
         raise SystemExit("give --methods and/or --candidate")
     if args.record and not candidates:
         raise SystemExit("--record needs at least one --candidate")
 
-    config = json.loads((Path(args.artifact) / "config.json").read_text())
-    val = (config.get("inference_policy") or {}).get("validation")
-    if not val:
-        raise SystemExit(f"{args.artifact}: its config.json records no policy stage (no validation prompts to rebuild)")
+    config, policy_record = recorded_policy(Path(args.artifact))
+    val = policy_record["validation"]
     torch.set_num_threads(1)
     model, tok = load_model(args.model, dtype="float32")
+    try:  # another base model rebuilds other prompts: name the model, not the prompts' hash
+        CoreModel.from_pretrained(args.artifact, base_model=model)
+    except FingerprintMismatch as e:
+        raise SystemExit(f"--model {args.model} is not the base model of {args.artifact} (trained on "
+                         f"{config.get('fingerprint', {}).get('name')!r}): {e}; pass that model as --model") from None  # fmt: skip
     prompts = validation_set(tok, val["tasks"], val["context_tokens"], val["per_task"], val["seed"])
     digest = hashlib.sha256(json.dumps([asdict(p) for p in prompts]).encode()).hexdigest()[:16]
     if digest != val["key"]["prompts"]:

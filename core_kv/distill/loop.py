@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from core_kv.distill.context import RunContext
-from core_kv.files import atomic_write, writing
+from core_kv.files import atomic_write, plain_modes, writing
 
 
 class Interrupted(RuntimeError):
@@ -169,6 +169,7 @@ def _save_state(tr: RunContext, root: Path, step: int) -> None:
         raise
     acc.wait_for_everyone()
     if tr.main:
+        plain_modes(tmp)  # the modes a plain write gives (safetensors' writer makes its files owner-only)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,7 @@ from core_kv.features import spec
 from core_kv.features_v3 import ablated_names, compute_features_v3, special_mask
 from core_kv.key_geometry import KeyGeometry
 from core_kv.models.attention import LayerQKV
+from core_kv.teacher.config import TeacherConfig
 from core_kv.teacher.docs import Doc, make_docs
 from core_kv.teacher.drive import DriveConfig, drive_teacher
 
@@ -296,6 +297,15 @@ class ReleasedTrainer(Trainer):
     """:class:`~core_kv.distill.trainer.Trainer` for the released recipe: no teacher dataset, a v3 artifact."""
 
     stages = STAGES
+    unread = ("build_teacher", "indexer", "calibration", "memory", "write_rule", "calib_docs", "ratios", "eval_greedy",
+              *(f"teacher.{f.name}" for f in fields(TeacherConfig) if f.name not in ("model", "data")),
+              "teacher.data.min_len", "teacher.data.max_len")  # fmt: skip
+
+    def lengths(self) -> dict[str, int]:
+        o = self.cfg.online
+        return {"online.short_len": o.short_len, "online.long_len": o.long_len} | {
+            k: v for k, v in super().lengths().items() if k != "teacher.data.max_len"
+        }
 
     def run_key(self) -> dict:
         skip = {"out_dir", "progress", "threads", "stop_after", "overwrite", "wandb", "wandb_project", "wandb_mode",
@@ -354,7 +364,8 @@ class ReleasedTrainer(Trainer):
             memory_kind="fast", memory_gate_hidden=o.memory_gate_hidden, memory_decay=o.memory_decay,
             memory_dtype=o.memory_dtype, memory_readout=o.memory_readout,
             memory_kernel=o.memory_kernel, special_token_ids=special,
-            ablated_features=ablated_names(o.ablate_features), memory_trained=o.memory,
+            ablated_features=ablated_names(o.ablate_features),
+            memory_trained=o.memory and o.total_steps > o.indexer_steps,  # joint steps train it
         )  # fmt: skip
         torch.manual_seed(cfg.seed)
         self.core = CoreModel(self.core_config)

@@ -39,12 +39,14 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from core_kv.config import to_dict
+from core_kv.config import ConfigError, to_dict
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.context import RunContext
 from core_kv.distill.evaluate import evaluate
@@ -53,8 +55,9 @@ from core_kv.distill.replay import ReplaySpec
 from core_kv.distill.report import distill_report_markdown, format_summary
 from core_kv.distill.stages import calibrate, train_indexer, train_memory
 from core_kv.distill.timing import timing
-from core_kv.files import atomic_write_json, atomic_write_text, read_json, writing
+from core_kv.files import atomic_write_json, atomic_write_text, plain_modes, read_json, writing
 from core_kv.lock import main_process_lock
+from core_kv.models.loading import check_lengths, check_vocabulary
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
 from core_kv.teacher.docs import load_model
 from core_kv.teacher.run import run_teacher
@@ -98,9 +101,14 @@ def _accelerator(cfg):
 
 class Trainer(RunContext):
     """Sets a run up (base model, teacher data, CORE model, W&B) and decides what a rerun keeps; the stages of
-    :mod:`~core_kv.distill.stages` read the shared objects through :class:`~core_kv.distill.context.RunContext`."""
+    :mod:`~core_kv.distill.stages` read the shared objects through :class:`~core_kv.distill.context.RunContext`.
+
+    Attributes:
+        unread: The options (dotted names) this recipe never reads; :func:`check_unread` refuses a run that sets one.
+    """
 
     stages = STAGES
+    unread: tuple[str, ...] = ("online",)
 
     def __init__(self, cfg):
         out = Path(cfg.out_dir)
@@ -129,10 +137,22 @@ class Trainer(RunContext):
                 "or pass teacher.model.path=<HF folder or hub id>"
             )
         self.model, self.tok = load_model(spec, acc.device)
+        if self.tok is not None:
+            check_vocabulary(self.model, self.tok, f"teacher.model {spec.path} with teacher.model.tokenizer "
+                                                   f"{spec.tokenizer or spec.path}")  # fmt: skip
+        check_lengths(self.model, self.lengths(), f"teacher.model {spec.path or '(random_init)'}")
+        if cfg.policy.enabled:
+            cfg.policy.check_layers(self.model.config.num_hidden_layers)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.fingerprint = model_fingerprint(self.model)
         return self.fingerprint
+
+    def lengths(self) -> dict[str, int]:
+        """The token lengths this recipe feeds the base model, by option (checked against its context window)."""
+        cfg = self.cfg
+        out = {"teacher.data.max_len": cfg.teacher.data.max_len}
+        return out | ({"policy.length": cfg.policy.length} if cfg.policy.enabled else {})
 
     def run_key(self) -> dict:
         """What the run folder's contents depend on: base model + every training-relevant option."""
@@ -231,6 +251,7 @@ class Trainer(RunContext):
             try:
                 with writing(tmp, "CORE artifact"):
                     self.core.to("cpu").save_pretrained(str(tmp), save_function=acc.save)
+                plain_modes(tmp)  # the modes a plain write gives (safetensors' writer makes its files owner-only)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -254,24 +275,51 @@ class Trainer(RunContext):
             self.acc.end_training()
 
 
-def train(cfg) -> dict:
+def train(cfg, then: Callable[[dict], dict] | None = None) -> dict:
     """Run every stage (resuming where a previous run stopped) and write ``<out_dir>/final/``.
+
+    Args:
+        then: What the main process runs next on the run folder, still holding its lock (``train.py``'s policy
+            stage), with the summary; it returns the summary. The trainer (its models) is released first.
 
     Returns the summary dict (also ``<out_dir>/summary.json``); raises :class:`Interrupted` when ``stop_after``
     stops the run early.
     """
     t0 = time.perf_counter()
     if cfg.recipe == "released":
-        from core_kv.distill.online import ReleasedTrainer
-
-        tr = ReleasedTrainer(cfg)
+        from core_kv.distill.online import ReleasedTrainer as recipe
     else:
-        tr = Trainer(cfg)
-    try:
-        with main_process_lock(cfg.out_dir, "training run", tr.acc):  # one writer per run folder
-            return _train(tr, t0)
-    finally:
-        tr.close()
+        recipe = Trainer
+    check_unread(cfg, recipe.unread)
+    tr = recipe(cfg)
+    with ExitStack() as locked:
+        try:
+            locked.enter_context(main_process_lock(cfg.out_dir, "training run", tr.acc))  # one writer per run folder
+            summary = _train(tr, t0)
+        finally:
+            tr.close()
+        main, tr = tr.main, None  # the base model and CORE are freed before ``then`` loads what it needs
+        return then(summary) if then is not None and main else summary
+
+
+def check_unread(cfg, unread: tuple[str, ...]) -> None:
+    """Refuse options the chosen recipe never reads (``unread``: dotted names) set away from their defaults: they
+    would be ignored without a word."""
+    default = to_dict(type(cfg)())
+    given = to_dict(cfg)
+    changed = []
+    for name in unread:
+        a, b = given, default
+        for part in name.split("."):
+            a, b = a[part], b[part]
+        if isinstance(a, dict):
+            changed += [f"{name}.{k}" for k in a if a[k] != b.get(k)]
+        elif a != b:
+            changed.append(name)
+    if changed:
+        raise ConfigError(f"recipe={cfg.recipe!r} never reads {', '.join(changed)}: remove "
+                          f"{'it' if len(changed) == 1 else 'them'} (or choose the recipe that reads "
+                          f"{'it' if len(changed) == 1 else 'them'})")  # fmt: skip
 
 
 def _train(tr: Trainer, t0: float) -> dict:

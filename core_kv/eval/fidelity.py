@@ -46,7 +46,7 @@ from torch import nn
 
 from core_kv.eval.schema import Sample, ratio_label
 from core_kv.models.cache import cache_kwarg, cache_marks, crop_cache, kv_bytes
-from core_kv.pipeline import prefill
+from core_kv.pipeline import finite_logits, prefill
 from core_kv.presses.base import BasePress
 
 BENCHMARK = "fidelity"
@@ -271,7 +271,7 @@ def continuation_logprobs(
             ids = fed_ids[:, start : start + step]
             pos = torch.arange(context_length + start, context_length + start + ids.shape[1], device=device)[None]
             logits = model(input_ids=ids, position_ids=pos, use_cache=True, **{key: cache}).logits  # (1, t, V)
-            out.append(F.log_softmax(logits[0].float(), dim=-1))
+            out.append(F.log_softmax(finite_logits(logits[0]).float(), dim=-1))
     return torch.cat(out)  # (T, V)
 
 

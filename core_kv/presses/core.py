@@ -118,6 +118,8 @@ class CorePress(WrapperPress, name="core"):
             self.options = PolicyOptions.from_dict({**base.to_dict(), **given}, f"{self.name}")
         except ValueError as e:
             raise ValueError(f"{e} (policy {base.describe()!r} with overrides {given})") from None
+        if scorer._core is not None:  # a memory layer list names layers of the artifact's base model
+            self.options.check_layers(scorer._core.config.num_layers, f"{self.name}: {self.checkpoint}")
         untrained = scorer._core is not None and not scorer._core.config.memory_trained
         if untrained and self.options.memory_layers is not None:
             raise ValueError(f"{self.name}: {self.checkpoint} has no trained memory (trained with online.memory=false), "

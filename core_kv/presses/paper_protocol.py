@@ -51,8 +51,11 @@ class PaperProtocolPress(WrapperPress, name="paper_protocol"):
         sinks: First positions kept at every event, inside the budget (the paper: 4).
         interval: Decoding forwards between two decode-time events (the paper: 128).
         buffer: Forwards whose hidden states the wrapped press scores with at a decode-time event (the paper: 128).
+        decoding: Always true: the protocol compresses again while decoding (``decoding=False`` is refused; a
+            prefill-only cell is the wrapped press alone).
     """
 
+    decoding: bool = True
     sinks: int = 4
     interval: int = 128
     buffer: int = 128
@@ -62,7 +65,9 @@ class PaperProtocolPress(WrapperPress, name="paper_protocol"):
             v = getattr(self, name)
             if v < low:
                 raise ValueError(f"{self.name}: {name} must be an integer >= {low}, got {v}")
-        self.decoding = True  # this press's hooks decide decode-time events (decode_event)
+        if self.decoding is not True:  # this press's hooks decide decode-time events (decode_event)
+            raise ValueError(f"{self.name}: decoding={self.decoding!r}, but the protocol compresses again while "
+                             "decoding (every `interval` forwards); for a prefill-only cell use the wrapped press alone")  # fmt: skip
         super().validate()
         press = self.press
         while isinstance(press, BasePress):  # every press of the stack: decode-time bookkeeping, the sinks protected

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from core_kv.config import ConfigError, check_on_init, folder, load_config, non_empty, option, to_dict
-from core_kv.files import atomic_write_json, read_jsonl
+from core_kv.files import atomic_write_json, plain_modes, read_jsonl
 from core_kv.proxy.tokenizer import build_proxy_tokenizer
 
 FULL_MIX = {
@@ -529,6 +529,7 @@ def swap_in(tmp: Path, final: Path) -> None:
     """Replace the folder ``final`` by the fully written ``tmp`` (the old one survives as ``<final>.old`` until the
     new one is in place, so an interruption leaves one complete folder)."""
     old = final.with_name(final.name + ".old")
+    plain_modes(tmp)  # the modes a plain write gives (safetensors' writer makes its files owner-only)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
