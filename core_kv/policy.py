@@ -201,6 +201,11 @@ class InferencePolicy:
         """Every band's (and recorded candidate's) memory layers exist in a model of ``num_layers`` layers."""
         for i, b in enumerate(self.bands):
             b.options.check_layers(num_layers, f"{where}: bands[{i}].options")
+        for r, rows in self.candidates.items():
+            for j, row in enumerate(rows):
+                PolicyOptions.from_dict(row["options"]).check_layers(
+                    num_layers, f"{where}: candidates[{r!r}][{j}].options"
+                )
 
     def band(self, ratio: float | None) -> Band:
         """The band of ``ratio`` (``None``: the default band)."""

@@ -427,3 +427,263 @@ def test_one_press_on_two_models_at_once_is_refused(llama, qwen3):
                 pass
     with kn(qwen3):  # one after the other is fine
         pass
+
+
+# ------------------------------------------------------------------------- issue 60: the policy record, one field each
+def _with_policy(tmp_path: Path, edit) -> Path:
+    """A copy of the shipped proxy artifact (4 layers) whose ``config.json`` policy record ``edit`` changed."""
+    art = tmp_path / "final"
+    shutil.copytree(ROOT / "checkpoints" / "core-proxy" / "final", art)
+    config = json.loads((art / "config.json").read_text())
+    edit(config["inference_policy"])
+    (art / "config.json").write_text(json.dumps(config))
+    return art
+
+
+def _set(path: str, value):
+    """An edit setting the field at ``path`` (``bands/0/upto``) of the record; ``DELETE`` removes it."""
+
+    def edit(record):
+        *head, last = [int(p) if p.isdigit() else p for p in path.split("/")]
+        for p in head:
+            record = record[p]
+        if value is DELETE:
+            del record[last]
+        else:
+            record[last] = value
+
+    return edit
+
+
+DELETE = object()
+RECORD_CASES = [
+    ("bands/0/upto", "abc", r"bands\[0\]\.upto \(a compression ratio\) must be a finite number, got 'abc'"),
+    ("bands/0/upto", float("nan"), r"bands\[0\]\.upto \(a compression ratio\) must be a finite number, got nan"),
+    ("bands/0/upto", -0.2, r"bands\[0\]\.upto \(a compression ratio\) must be in \(0, 1\], got -0\.2"),
+    ("bands/2/upto", 1.5, r"bands\[2\]\.upto \(a compression ratio\) must be in \(0, 1\], got 1\.5"),
+    ("bands/1/upto", 0.5, r"bands: must be in ascending order of 'upto', got \[0\.625, 0\.5, 1\.0\]"),
+    ("bands/0/upto", True, r"bands\[0\]\.upto \(a compression ratio\) must be a finite number, got True"),
+    ("bands/0/validated_at", "0.5", r"bands\[0\]\.validated_at \(a compression ratio\) must be a finite number"),
+    ("bands/0/validated_at", 1.0, r"bands\[0\]\.validated_at \(a compression ratio\) must be in \(0, 1\)"),
+    ("bands/0/options", DELETE, r"bands\[0\] has no \['options'\] field"),
+    ("bands/0/extra", 1, r"bands\[0\] has unknown field\(s\) \['extra'\]"),
+    (
+        "bands/0/options/memory",
+        "0-99",
+        r"bands\[0\]\.options: memory '0-99' names layers \[4, .*\] but the model has 4 "
+        r"layers \(0-3\)",
+    ),  # fmt: skip
+    ("bands/0/options/memory", "x", r"bands\[0\]\.options: memory expects layer ranges"),
+    ("bands/0/options/head_budgets", "all", r"bands\[0\]\.options: head_budgets must be one of"),
+    ("bands/0/options/repair_threshold", "high", r"bands\[0\]\.options: repair_threshold must be a number"),
+    ("bands/0/options/colour", "red", r"bands\[0\]\.options: unknown policy option\(s\) \['colour'\]"),
+    ("bands/0/options", [1], r"bands\[0\]\.options: policy options must be a mapping"),
+    ("bands", {}, r"bands must be a list of bands"),
+    ("bands", [], r"bands: an inference policy needs at least one band"),
+    ("bands/0", 0.5, r"bands\[0\] must be a mapping \(upto, validated_at, options\)"),
+    ("default_band", "x", r"default_band must be the index of a band \(an integer\), got 'x'"),
+    ("default_band", 1.7, r"default_band must be the index of a band \(an integer\), got 1\.7"),
+    ("default_band", True, r"default_band must be the index of a band \(an integer\), got True"),
+    ("default_band", 3, r"default_band 3 is not one of the 3 bands \(0-2\)"),
+    ("default_band", -1, r"default_band -1 is not one of the 3 bands"),
+    ("version", 2, r"version 2, this code reads v1"),
+    ("version", DELETE, r"version None, this code reads v1"),
+    ("colour", "red", r"unknown field\(s\) \['colour'\]"),
+    ("candidates", [], r"candidates must be a mapping of ratios to scored candidates"),
+    ("candidates/abc", [], r"candidates: key 'abc' is not a compression ratio in \(0, 1\)"),
+    ("candidates/0.5", {}, r"candidates\['0\.5'\] must be a list of scored candidates"),
+    ("candidates/0.5/0/accuracy", float("nan"), r"candidates\['0\.5'\]\[0\]\.accuracy must be a finite number"),
+    ("candidates/0.5/0/accuracy", 1.5, r"candidates\['0\.5'\]\[0\]\.accuracy must be in \[0, 1\], got 1\.5"),
+    ("candidates/0.5/0/logprob", "low", r"candidates\['0\.5'\]\[0\]\.logprob must be a finite number"),
+    ("candidates/0.5/0/label", DELETE, r"candidates\['0\.5'\]\[0\]: no 'label' field"),
+    ("candidates/0.5/0/options/memory", "0-9", r"candidates\['0\.5'\]\[0\]\.options: memory"),
+    ("validation", [], r"validation must be a mapping"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", RECORD_CASES, ids=[f"{c[0]}={c[1]!r}" for c in RECORD_CASES])
+def test_every_field_of_a_damaged_policy_record_is_named_with_its_file(tmp_path, field, value, message):
+    """``upto: "abc"`` gave ``could not convert string to float`` (no file, no field); NaN passed the order check; a
+    negative edge, ``default_band: 1.7`` (truncated) and memory in layers the model lacks were accepted."""
+    from core_kv.core_model import CoreModel
+
+    edit = _set(field, value)
+    art = _with_policy(tmp_path, edit)
+    with pytest.raises(ValueError, match=rf"{art / 'config.json'}: inference_policy: {message}"):
+        CoreModel.from_pretrained(art)
+
+
+def test_a_memory_layer_list_beyond_the_model_is_named_as_a_candidate_and_as_a_press_override():
+    from core_kv.policy import PolicyStageConfig
+
+    art = str(ROOT / "checkpoints" / "core-proxy" / "final")
+    with pytest.raises(ValueError, match=r"core: .*core-proxy/final: memory '2-7' names layers \[4, 5, 6, 7\] but the "
+                                         r"model has 4 layers \(0-3\)"):  # fmt: skip
+        build_press("core", checkpoint=art, compression_ratio=0.5, memory="2-7")
+    assert build_press("core", checkpoint=art, compression_ratio=0.5, memory="2-3").options.memory == "2-3"
+    stage = PolicyStageConfig(candidates=[{}, {"memory": "0-3"}, {"memory": "1,9"}])
+    stage.check()  # the model is not known at config load
+    with pytest.raises(
+        ValueError, match=r"policy\.candidates\[2\]: memory '1,9' names layers \[9\] but the model has 4"
+    ):
+        stage.check_layers(4)
+
+
+@pytest.mark.parametrize(
+    "candidates, message",
+    [
+        (
+            [{}, {"memory": False}, {"memory": False}],
+            r"candidates\[2\] repeats candidates\[1\] \(uniform, memory off\)",
+        ),
+        ([{}, {"memory": True}], r"candidates\[1\] repeats candidates\[0\] \(uniform, memory\)"),
+        (
+            [{"head_budgets": "adaptive"}, {"head_budgets": "adaptive", "head_pool": "score", "alpha_safeguard": 0.2}],
+            r"candidates\[1\] repeats candidates\[0\]",
+        ),  # fmt: skip
+    ],
+)
+def test_a_duplicate_policy_candidate_is_refused(candidates, message):
+    """A duplicate entry was accepted and scored twice."""
+    with pytest.raises(ValueError, match=rf"^policy\.{message}"):
+        load_config(TrainConfig, [f"policy.candidates={json.dumps(candidates)}"])
+
+
+# ------------------------------------------------------------- issue 60: artifacts, model folders, labels, partials
+def test_an_artifact_config_without_feature_spec_is_refused_naming_the_field(tmp_path):
+    """It loaded silently as spec v1; a genuine v1 artifact records its version."""
+    from core_kv.core_model import CoreModel
+
+    art = tmp_path / "final"
+    shutil.copytree(ROOT / "checkpoints" / "core-proxy" / "final", art)
+    config = json.loads((art / "config.json").read_text())
+    assert config["feature_spec"]["version"] == 1  # the shipped v1 artifact records its version, and loads
+    CoreModel.from_pretrained(art)
+    for bad in (DELETE, "v1", {"names": []}):
+        if bad is DELETE:
+            config.pop("feature_spec")
+        else:
+            config["feature_spec"] = bad
+        (art / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=rf"{art / 'config.json'}: no feature_spec field with a version"):
+            CoreModel.from_pretrained(art)
+
+
+def test_a_model_folder_missing_only_tokenizer_json_or_holding_a_damaged_one_names_the_file(tmp_path):
+    """``Couldn't instantiate the backend tokenizer ... sentencepiece or tiktoken`` and a bare ``JSONDecodeError``
+    named no file."""
+    from core_kv.models.loading import load_model
+
+    folder = tmp_path / "lm"
+    shutil.copytree(ROOT / "checkpoints" / "proxy-lm", folder)
+    assert (folder / "tokenizer_config.json").is_file()
+    good = (folder / "tokenizer.json").read_bytes()
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(OSError, match=rf"^{folder / 'tokenizer.json'} is missing: {folder} holds tokenizer_config"):
+        load_model(str(folder))
+    (folder / "tokenizer.json").write_bytes(b"\0" * len(good))
+    with pytest.raises(OSError, match=rf"^{folder / 'tokenizer.json'}: unreadable tokenizer file \(JSONDecodeError"):
+        load_model(str(folder))
+    (folder / "tokenizer.json").write_bytes(good)
+    (folder / "tokenizer_config.json").write_text("{")
+    with pytest.raises(OSError, match=rf"^{folder / 'tokenizer_config.json'}: unreadable tokenizer file"):
+        load_model(str(folder))
+
+
+def test_a_tokenizer_of_another_model_is_named_before_the_first_forward():
+    """The proxy LM with a larger tokenizer failed with ``IndexError: index out of range in self`` in the embedding."""
+    from transformers import AutoTokenizer
+
+    from core_kv.models.loading import check_vocabulary, tiny_model, tiny_tokenizer
+
+    proxy_tok = AutoTokenizer.from_pretrained(ROOT / "checkpoints" / "proxy-lm")
+    small = tiny_model(tiny_tokenizer())  # 2,048 ids
+    with pytest.raises(ValueError, match=rf"^teacher\.model x: the tokenizer has {proxy_tok.vocab_size:,} ids but the "
+                                         r"model's embedding only 2,048 rows"):  # fmt: skip
+        check_vocabulary(small, proxy_tok, "teacher.model x")
+    check_vocabulary(small, tiny_tokenizer())
+
+
+def test_a_proxy_lm_with_smollm2s_tokenizer_names_18880_vs_49152_ids(tmp_path):
+    """The issue's case end to end: the teacher run refuses before its first forward."""
+    from core_kv.models.packaged import PackagedModelError, ensure_converted
+    from core_kv.teacher.config import DataSpec, ModelSpec
+    from core_kv.teacher.run import run_teacher
+
+    try:
+        smollm2 = ensure_converted("smollm2-135m", progress=False)
+    except PackagedModelError as e:
+        pytest.skip(str(e))
+    cfg = TeacherConfig(out_dir=str(tmp_path / "t"), progress=False, data=DataSpec(source="random", num_docs=1),
+                        model=ModelSpec(path="checkpoints/proxy-lm", tokenizer=str(smollm2)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"the tokenizer has 49,152 ids but the model's embedding only 18,880 rows"):
+        run_teacher(cfg)
+
+
+@pytest.mark.parametrize("label", ["a/b", "../escape", "..", ".hidden", "a\\b", "x\ny"])
+def test_a_method_or_benchmark_label_that_is_not_a_folder_name_is_refused(tmp_path, label):
+    """``a/b`` wrote a nested results folder (``niah__proxy-lm__a/b__0.50``), ``../escape`` one outside the root."""
+    from core_kv.eval.schema import cell_dir
+
+    with pytest.raises(ConfigError, match=r"^methods: the label .* becomes a results folder's name, but"):
+        load_config(EvalConfig, [f"output_dir={tmp_path}", f"methods={json.dumps([label])}",
+                                 f"press_options={json.dumps({label: {'kind': 'knorm'}})}"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^benchmarks: the label .* becomes a results folder's name"):
+        load_config(EvalConfig, [f"output_dir={tmp_path}", f"benchmarks={json.dumps([label])}"])
+    with pytest.raises(ValueError, match=r"^method label .* names a results folder, but"):
+        cell_dir(tmp_path, "niah", "tiny", label, 0.5)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    assert cell_dir(tmp_path, "niah", "tiny", "core:paper", 0.5).parent == tmp_path
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"group": 0}', r"expected \{'group': \.\.\., 'rows': \[\.\.\.\]\}"),
+        ('{"group": "0", "rows": []}', r"'group' must be an integer and 'rows' a list"),
+        ('{"group": 0, "rows": [{"sample_id": 0}]}', r"row 0 lacks the field\(s\) \['group_id', 'benchmark', 'task'"),
+        ("[1, 2]", r"expected \{'group'"),
+    ],
+)
+def test_a_partial_results_line_lacking_fields_names_the_file_and_line(tmp_path, line, message):
+    """A valid JSON line without ``task`` raised ``KeyError: 'task'`` naming no file."""
+    from core_kv.eval.runner import ROW_FIELDS, _read_partials
+
+    row = dict.fromkeys(ROW_FIELDS, 0)
+    path = tmp_path / "predictions.partial.rank0.jsonl"
+    path.write_text(json.dumps({"group": 3, "rows": [row]}) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=rf"^{path}:2: {message}"):
+        _read_partials(tmp_path)
+    path.write_text(json.dumps({"group": 3, "rows": [row]}) + "\n")
+    assert _read_partials(tmp_path) == {3: [row]}
+
+
+# ----------------------------------------------------------------------------- issue 60: modes of the files written
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
+def test_atomic_writes_get_the_mode_a_plain_write_gets(tmp_path, mask):
+    """Under umask 022 every atomically written file was 0600: another user could not load an artifact or read
+    results."""
+    from core_kv import files as io
+    from core_kv.lock import folder_lock
+
+    old = os.umask(mask)
+    try:
+        plain = tmp_path / "plain.txt"
+        plain.write_text("x")
+        written = [io.atomic_write_text(tmp_path / "a.txt", "x"), io.atomic_write_json(tmp_path / "b.json", {}),
+                   io.atomic_write_jsonl(tmp_path / "c.jsonl", [{}]),
+                   io.atomic_write(tmp_path / "d.bin", lambda t: Path(t).write_bytes(b"1"))]  # fmt: skip
+        with folder_lock(tmp_path / "run") as lock:
+            written.append(lock)
+            for p in written:
+                assert (p.stat().st_mode & 0o777) == (plain.stat().st_mode & 0o777) == 0o666 & ~mask, p
+        import safetensors.torch
+
+        folder = tmp_path / "saved"
+        folder.mkdir()
+        safetensors.torch.save_file({"x": torch.zeros(1)}, str(folder / "model.safetensors"))
+        io.plain_modes(folder)
+        assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+        assert folder.stat().st_mode & 0o777 == 0o777 & ~mask
+    finally:
+        os.umask(old)

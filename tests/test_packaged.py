@@ -291,3 +291,102 @@ def test_the_cache_folder_and_its_size_are_announced_before_writing(tmp_path, ca
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     line = f"[core_kv] model cache: {NAME} converted in {folder} ({size / 1e6:.0f} MB)"
     assert line in packaged.cache_status(tmp_path).splitlines()  # one line per packaged model
+
+
+# ------------------------------------------------ issue 60: the cache verified by content, temporaries cleaned up
+CACHED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja")  # what a real conversion writes (SmolLM2; Gemma writes a subset)  # fmt: skip
+
+
+def _fake_convert_with_tokenizer(calls):
+    """:func:`_fake_convert` plus the tokenizer files and chat template a real conversion writes."""
+    from transformers import AutoTokenizer
+
+    from core_kv.models.loading import PROXY_PATH
+
+    def convert(gguf, out):
+        _fake_convert(calls)(gguf, out)
+        AutoTokenizer.from_pretrained(PROXY_PATH).save_pretrained(out)
+        (out / "chat_template.jinja").write_text("{{ messages }}")
+
+    return convert
+
+
+def _models() -> list:
+    return [NAME, pytest.param(GEMMA, marks=needs_gemma)]
+
+
+@pytest.mark.parametrize("model", _models())
+def test_a_same_size_damaged_cached_file_is_rebuilt_naming_folder_and_file(tmp_path, capsys, model):
+    """A same-size ``model.safetensors`` of zeros loaded (every method answered ``''``, exit 0) and a damaged cached
+    ``tokenizer.json`` gave ``JSONDecodeError`` naming no file: every cached file is checked by its sha256."""
+    calls = []
+    convert = _fake_convert_with_tokenizer(calls)
+    folder = ensure_converted(model, home=tmp_path, convert=convert, progress=False)
+    stamp = json.loads((folder / STAMP).read_text())
+    assert set(CACHED_FILES) <= set(stamp["files"]) and set(stamp["sha256"]) == set(stamp["files"])
+    for name in stamp["files"]:
+        good = (folder / name).read_bytes()
+        assert stamp["sha256"][name] == packaged.file_sha256(folder / name)
+        (folder / name).write_bytes(b"\0" * len(good))  # the same size: the size check alone passes
+        capsys.readouterr()
+        assert ensure_converted(model, home=tmp_path, convert=convert, progress=False) == folder
+        err = capsys.readouterr().err
+        assert f"rebuilding the model cache folder {folder}: {name} differs from the file written at conversion" in err
+        assert (folder / name).read_bytes() != b"\0" * len(good)
+    assert len(calls) == 1 + len(stamp["files"])
+    (folder / "model.safetensors").unlink()
+    ensure_converted(model, home=tmp_path, convert=convert, progress=False)
+    assert "model.safetensors is missing" in capsys.readouterr().err
+
+
+def test_a_stamp_without_content_hashes_is_rebuilt_and_older_readers_still_accept_the_new_stamp(tmp_path, capsys):
+    calls = []
+    folder = ensure_converted(NAME, home=tmp_path, convert=_fake_convert(calls), progress=False)
+    stamp = json.loads((folder / STAMP).read_text())
+    assert stamp["format"] == 1  # the fields older core_kv versions check are unchanged: no rebuild back and forth
+    del stamp["sha256"]
+    (folder / STAMP).write_text(json.dumps(stamp))
+    ensure_converted(NAME, home=tmp_path, convert=_fake_convert(calls), progress=False)
+    assert len(calls) == 2 and "records no content hashes" in capsys.readouterr().err
+
+
+def test_a_killed_conversions_temporaries_are_removed_by_the_next_call(tmp_path, capsys):
+    """Each killed conversion left ~242 MB that no later run removed; a live conversion's are left alone."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        models = tmp_path / "models"
+        orphans = [models / f".{NAME}{kind}{dead.pid}-abc" for kind in packaged.TEMPORARIES]
+        running = models / f".{GEMMA}.tmp-{alive.pid}-xyz"
+        for p in (*orphans, running):
+            p.mkdir(parents=True)
+            (p / "model.safetensors").write_bytes(b"1" * 1000)
+        ensure_converted(NAME, home=tmp_path, convert=_fake_convert([]), progress=False)
+        assert sorted(p.name for p in models.iterdir()) == sorted([NAME, running.name])
+        assert (
+            f"removing {orphans[0]}: the temporary folder of a conversion that did not finish"
+            in capsys.readouterr().err
+        )
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_cached_files_get_the_umasks_modes(tmp_path):
+    """mkdtemp and safetensors' writer made the cache owner-only: another user could not load the model."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        folder = ensure_converted(NAME, home=tmp_path, convert=_fake_convert_with_tokenizer([]), progress=False)
+    finally:
+        os.umask(old)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()} == dict.fromkeys(
+        [p.name for p in folder.iterdir()], 0o644
+    )
