@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -328,3 +329,42 @@ def test_fitted_geometry_goes_into_the_artifact(tmp_path):
     drawn = KeyGeometry.draw(2, 2, 16, 8, 8, seed=42)
     assert not torch.allclose(geo.prototypes, drawn.prototypes)
     torch.testing.assert_close(geo.rotation, drawn.rotation)
+
+
+def test_zero_joint_steps_record_an_untrained_memory(tmp_path):
+    """With ``total_steps == indexer_steps`` the artifact recorded ``memory_trained: true`` for a memory that never
+    trained (the report showed it worse than retained-only)."""
+    from core_kv.core_model import CoreModel
+
+    out = tmp_path / "run"
+    run(tiny_args(out, "online.total_steps=2", "online.indexer_steps=2", "online.stable=1", "online.decay=0"))
+    core = CoreModel.from_pretrained(out / "final")
+    assert core.config.memory_trained is False and core.policy().for_ratio(0.75).memory is False
+
+
+@pytest.mark.parametrize(
+    "option, name",
+    [("indexer.steps=5", "indexer.steps"), ("memory.lr=0.1", "memory.lr"), ("teacher.lam=4", "teacher.lam"),
+     ("calibration.grid=11", "calibration.grid"), ("write_rule=equal_event", "write_rule"), ("calib_docs=3", "calib_docs"),
+     ("ratios=[0.5]", "ratios"), ("eval_greedy=true", "eval_greedy"), ("teacher.data.max_len=4000", "teacher.data.max_len"),
+     ("teacher.chunk_size=256", "teacher.chunk_size"), ("build_teacher=false", "build_teacher")],
+)  # fmt: skip
+def test_options_the_released_recipe_never_reads_are_refused_by_name(tmp_path, option, name):
+    """``indexer.steps`` and ``memory.lr`` under ``recipe: released`` were accepted without a word."""
+    from core_kv.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^recipe='released' never reads {re.escape(name)}: remove it"):
+        run(tiny_args(tmp_path / "run", option))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("option", ["online.long_len=100000", "online.short_len=9000"])
+def test_online_lengths_beyond_the_models_window_are_refused_at_once(tmp_path, option):
+    """``online.long_len=100000`` grew to 9.2 GB with no message."""
+    from core_kv.models.loading import ContextWindowError
+
+    name, value = option.split("=")
+    with pytest.raises(ContextWindowError, match=rf"{re.escape(name)}={int(value):,} exceeds the context window of "
+                                                 r"teacher\.model \(random_init\): 8,192 positions"):  # fmt: skip
+        run(tiny_args(tmp_path / "run", option))
+    assert not (tmp_path / "run" / "stages").exists()

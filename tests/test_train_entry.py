@@ -223,6 +223,10 @@ def test_shipped_yaml_loads(path):
     cfg = load_config(TrainConfig, [str(path)])
     assert isinstance(cfg, TrainConfig)
     assert cfg.micro_batch * cfg.grad_accum >= 1
+    from core_kv.distill.online import ReleasedTrainer
+    from core_kv.distill.trainer import Trainer, check_unread
+
+    check_unread(cfg, (ReleasedTrainer if cfg.recipe == "released" else Trainer).unread)  # sets none it never reads
 
 
 def test_memory_gate_scalars_train_at_their_own_learning_rate(reference):
@@ -513,3 +517,86 @@ def test_next_commands_load_and_parse_for_a_real_artifact():
     cfg = load_config(EvalConfig, shlex.split(make[2].removeprefix("ARGS=")))
     assert cfg.methods[0] == "core" and cfg.press_options["core"]["checkpoint"] == "checkpoints/core-proxy/final"
     assert cfg.model.name == "checkpoints/proxy-lm" and cfg.benchmarks == ["ruler"]
+
+
+# ------------------------------------------------------------------------------------------------------- issue 60
+def test_the_policy_stage_runs_inside_the_run_folders_lock(teacher_dir, reference, monkeypatch):
+    """A second train.py into the folder took the lock while the first was in its policy stage, ran its own stage and
+    printed 'recorded in ...' while the file held the other's: the stage now runs before the lock is released."""
+    import json
+    import subprocess
+    import sys
+
+    from core_kv import run as run_module
+    from core_kv.lock import LOCK_NAME
+
+    seen = {}
+
+    def stage(cfg, summary):
+        seen["owner"] = json.loads((reference / LOCK_NAME).read_text())["pid"]
+        probe = [sys.executable, "-c", f"from core_kv.lock import acquire; acquire({str(reference)!r}, 'training run')"]
+        seen["second"] = subprocess.run(probe, capture_output=True, text=True, cwd=ROOT).stderr
+        return summary
+
+    monkeypatch.setattr(run_module, "choose_policy", stage)
+    run(tiny_args(reference, teacher_dir))  # finished: the policy stage alone runs
+    assert seen["owner"] == os.getpid()
+    assert f"FolderLocked: {reference} is being written by another training run (pid {os.getpid()}" in seen["second"]
+    assert not (reference / LOCK_NAME).exists()  # released after the stage
+
+
+def test_the_policy_printed_is_the_policy_the_artifact_holds(tmp_path, monkeypatch, capsys):
+    """``choose_policy`` prints and reports what ``final/config.json`` holds after its stage, not what it computed."""
+    import json
+    import shutil
+
+    from core_kv import run as run_module
+    from core_kv.config import load_config
+    from core_kv.distill.config import TrainConfig
+    from core_kv.eval import policy_stage
+    from core_kv.policy import InferencePolicy, PolicyOptions
+
+    out = tmp_path / "run"
+    shutil.copytree(ROOT / "checkpoints" / "core-proxy" / "final", out / "final")
+    recorded = json.loads((out / "final" / "config.json").read_text())["inference_policy"]
+    mine = InferencePolicy.single(PolicyOptions(head_budgets="shared", memory=False))
+    monkeypatch.setattr(run_module, "run_policy_stage", lambda *a, **k: mine)  # another record stays in the file
+    cfg = load_config(TrainConfig, [f"out_dir={out}", "teacher.model.path=checkpoints/proxy-lm", "progress=false"])
+    summary = run_module.choose_policy(cfg, {})
+    printed = capsys.readouterr().out
+    held = InferencePolicy.from_dict(recorded)
+    assert summary["policy"] == held.to_dict() and "shared, memory off" not in printed
+    for b in held.bands:
+        assert f"[policy] ratios up to {b.upto:g}: {b.options.describe()}" in printed
+    assert policy_stage.policy_markdown(held) in (out / "report.md").read_text()
+
+
+def test_lengths_beyond_the_models_window_are_refused_before_the_first_stage(tmp_path, teacher_dir):
+    """``policy.length=100000`` ran the whole distillation, then the policy stage hung silently."""
+    from core_kv.models.loading import ContextWindowError
+
+    out = tmp_path / "long"
+    with pytest.raises(ContextWindowError, match=r"^teacher\.data\.max_len=100,000 exceeds the context window of "
+                                                 r"teacher\.model \(random_init\): 8,192 positions"):  # fmt: skip
+        run(tiny_args(out, tmp_path / "teacher", "teacher.data.max_len=100000"))
+    assert not (tmp_path / "teacher").exists() and not (out / "stages").exists()  # nothing built
+
+
+def test_options_the_replay_recipe_never_reads_are_refused(tmp_path, teacher_dir):
+    from core_kv.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"^recipe='replay' never reads online\.memory, online\.long_len: remove them"
+    ):
+        run(tiny_args(tmp_path / "run", teacher_dir, "online.long_len=100", "online.memory=false"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_training_runs_files_get_the_umasks_modes(reference):
+    """Under umask 022 ``final/model.safetensors``, ``config.json``, ``run.json``, ``summary.json`` and the report
+    were 0600."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    files = [p for p in reference.rglob("*") if p.is_file() and "wandb" not in p.parts and "state" not in p.parts]
+    assert {"model.safetensors", "config.json", "run.json", "summary.json", "report.md"} <= {p.name for p in files}
+    assert {str(p): p.stat().st_mode & 0o777 for p in files} == {str(p): 0o666 & ~mask for p in files}

@@ -140,19 +140,21 @@ class Trainer(RunContext):
         if self.tok is not None:
             check_vocabulary(self.model, self.tok, f"teacher.model {spec.path} with teacher.model.tokenizer "
                                                    f"{spec.tokenizer or spec.path}")  # fmt: skip
-        check_lengths(self.model, self.lengths(), f"teacher.model {spec.path or '(random_init)'}")
-        if cfg.policy.enabled:
-            cfg.policy.check_layers(self.model.config.num_hidden_layers)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.fingerprint = model_fingerprint(self.model)
+        # the options bounded by the base model, before the first stage builds anything with them
+        check_lengths(self.model, self.lengths(), f"teacher.model {spec.path or '(random_init)'}")
+        if cfg.policy.enabled and self.tok is not None:
+            cfg.policy.check_layers(self.fingerprint["layers"])
         return self.fingerprint
 
     def lengths(self) -> dict[str, int]:
         """The token lengths this recipe feeds the base model, by option (checked against its context window)."""
         cfg = self.cfg
         out = {"teacher.data.max_len": cfg.teacher.data.max_len}
-        return out | ({"policy.length": cfg.policy.length} if cfg.policy.enabled else {})
+        policy = cfg.policy.enabled and self.tok is not None  # without a tokenizer the policy stage is skipped
+        return out | ({"policy.length": cfg.policy.length} if policy else {})
 
     def run_key(self) -> dict:
         """What the run folder's contents depend on: base model + every training-relevant option."""
