@@ -127,3 +127,16 @@ def test_runner_protocol_names_cells_and_wraps_every_compressed_method(data, tmp
     assert "snapkv@core_paper" in res.markdown
     with pytest.raises(ValueError, match="protocol"):
         load_config(EvalConfig, _argv(data, out, "protocol=paper"))
+
+
+def test_decoding_false_is_refused_not_silently_turned_on():
+    """``paper_protocol(decoding=False)`` was silently turned on: the protocol is decode-time compression."""
+    with pytest.raises(ValueError, match=r"paper_protocol: decoding=False, but the protocol compresses again while "
+                                         r"decoding .* use the wrapped press alone"):  # fmt: skip
+        build_press("paper_protocol", press="snapkv", compression_ratio=0.5, decoding=False)
+    with pytest.raises(
+        ValueError, match=r"decoding must be true or false, got 0"
+    ):  # the option's type, as for any press
+        build_press("paper_protocol", press="snapkv", compression_ratio=0.5, decoding=0)
+    assert build_press("paper_protocol", press="snapkv", compression_ratio=0.5).decoding is True
+    assert build_press("paper_protocol", press="snapkv", compression_ratio=0.5, decoding=True).press.decoding is True

@@ -615,3 +615,44 @@ def test_a_finished_cells_damaged_predictions_are_recomputed(clean_run, data, tm
         predictions.read_bytes()
         == (cell_dir(clean_out, "toy", "tiny", "knorm", 0.25) / "predictions.jsonl").read_bytes()
     )
+
+
+def test_a_reference_with_non_finite_logits_is_not_stored_and_the_repaired_rerun_computes_it(clean_run, data, tmp_path,
+                                                                                              monkeypatch):  # fmt: skip
+    """With NaN weights the full-cache cell was stored as finished (prediction '!', score 0) before the press
+    refused; after the weights were repaired the rerun skipped it."""
+    import torch
+
+    from core_kv.eval import runner
+
+    clean_out, _ = clean_run
+    out = tmp_path / "nan"
+    real = runner.load_model
+
+    def broken(*args, **kwargs):
+        model, tok = real(*args, **kwargs)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.fill_(float("nan"))
+        return model, tok
+
+    monkeypatch.setattr(runner, "load_model", broken)
+    with pytest.raises(FloatingPointError, match="non-finite logits .* nothing is stored for this cell"):
+        run_eval(_cfg(data, out))
+    reference = list(out.glob("toy__tiny-random__full__*"))
+    assert len(reference) == 1  # the reference runs first: its folder holds its config, nothing else
+    for folder in reference:
+        assert not (folder / "metrics.json").exists() and not (folder / "predictions.jsonl").exists()
+        assert not any(p.read_text().strip() for p in folder.glob("predictions.partial.rank*.jsonl"))
+    monkeypatch.setattr(runner, "load_model", real)
+    run_eval(_cfg(data, out))  # repaired: every cell computed, the reference too
+    assert _folder_contents(out) == _folder_contents(clean_out)
+
+
+def test_result_files_get_the_umasks_modes(clean_run):
+    """Each cell's metrics.json / predictions.jsonl, results.json and the report were 0600 under umask 022."""
+    out, _ = clean_run
+    mask = os.umask(0o022)
+    os.umask(mask)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {"metrics.json", "predictions.jsonl", "results.json", "report.md", "config.yaml"} <= {p.name for p in files}
+    assert {str(p): p.stat().st_mode & 0o777 for p in files} == {str(p): 0o666 & ~mask for p in files}
