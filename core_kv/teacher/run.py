@@ -55,7 +55,7 @@ from core_kv.models.attention import (
     prerope_keys,
     window_layers,
 )
-from core_kv.models.loading import check_vocabulary
+from core_kv.models.loading import check_lengths, check_vocabulary
 from core_kv.nystrom import normalised_beta_b
 from core_kv.teacher.config import TeacherConfig
 from core_kv.teacher.dataset import FORMAT, MANIFEST, ShardWriter, TeacherRecord, config_hash
@@ -277,6 +277,7 @@ def _run_teacher(cfg: TeacherConfig, state) -> dict:
     model, tok = load_model(cfg.model, device)
     if tok is not None:
         check_vocabulary(model, tok, f"model {cfg.model.path} with tokenizer {cfg.model.tokenizer or cfg.model.path}")
+    check_lengths(model, {"data.max_len": cfg.data.max_len}, f"model {cfg.model.path or '(random_init)'}")
     dims = model_dims(model)
     fp = model_fingerprint(model)
     if finished is not None and not cfg.overwrite:
