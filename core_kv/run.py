@@ -48,7 +48,9 @@ def choose_policy(cfg, summary: dict) -> dict:
     print(f"[policy] choosing the inference policy on validation prompts ({out / 'stages' / 'policy'})", flush=True)
     run_policy_stage(cfg.policy, artifact, model, tok, out / "stages" / "policy", progress=cfg.progress)
     cfg_file = artifact / "config.json"  # what is printed and reported is what the artifact holds
-    policy = InferencePolicy.from_dict(read_json(cfg_file, "CORE config").get("inference_policy"), str(cfg_file))
+    policy = InferencePolicy.from_dict(
+        read_json(cfg_file, "CORE config").get("inference_policy"), f"{cfg_file}: inference_policy"
+    )
     summary["policy"] = policy.to_dict()
     atomic_write_json(out / "summary.json", summary)
     report = out / "report.md"
