@@ -353,8 +353,10 @@ def test_a_stamp_without_content_hashes_is_rebuilt_and_older_readers_still_accep
 
 def test_a_killed_conversions_temporaries_are_removed_by_the_next_call(tmp_path, capsys):
     """Each killed conversion left ~242 MB that no later run removed; a live conversion's are left alone."""
+    import os
     import subprocess
     import sys
+    import time
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -363,11 +365,14 @@ def test_a_killed_conversions_temporaries_are_removed_by_the_next_call(tmp_path,
         models = tmp_path / "models"
         orphans = [models / f".{NAME}{kind}{dead.pid}-abc" for kind in packaged.TEMPORARIES]
         running = models / f".{GEMMA}.tmp-{alive.pid}-xyz"
-        for p in (*orphans, running):
+        legacy_old, legacy_new = models / f".{NAME}.tmp-k2j4h1", models / f".{GEMMA}.gguf-q9w8e7"  # no pid: by age
+        for p in (*orphans, running, legacy_old, legacy_new):
             p.mkdir(parents=True)
             (p / "model.safetensors").write_bytes(b"1" * 1000)
+        hours_ago = time.time() - 2 * 3600
+        os.utime(legacy_old, (hours_ago, hours_ago))
         ensure_converted(NAME, home=tmp_path, convert=_fake_convert([]), progress=False)
-        assert sorted(p.name for p in models.iterdir()) == sorted([NAME, running.name])
+        assert sorted(p.name for p in models.iterdir()) == sorted([NAME, running.name, legacy_new.name])
         assert (
             f"removing {orphans[0]}: the temporary folder of a conversion that did not finish"
             in capsys.readouterr().err

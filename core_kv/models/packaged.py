@@ -287,10 +287,12 @@ def _stamp_problem(folder: Path, source: dict) -> str | None:
 
 
 TEMPORARIES = (".tmp-", ".gguf-", ".stale-")  # a conversion's temporary folders: .<name><kind><pid>-<random>
+UNOWNED_AGE = 3600  # seconds: a temporary folder naming no pid (made by an older core_kv) this old is an orphan
 
 
 def _remove_orphans(models: Path) -> None:
-    """Delete the temporary folders of conversions whose process is gone (a killed conversion leaves ~250 MB-1 GB)."""
+    """Delete the temporary folders of conversions whose process is gone (a killed conversion leaves ~250 MB-1 GB);
+    one naming no pid (an older core_kv's) once it is an hour old (a conversion takes minutes)."""
     if not models.is_dir():
         return
     for p in models.iterdir():
@@ -298,8 +300,12 @@ def _remove_orphans(models: Path) -> None:
         if kind is None or not p.name.startswith("."):
             continue
         pid = p.name.split(kind, 1)[1].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
-            print(f"[core_kv] removing {p}: the temporary folder of a conversion that did not finish (pid {pid})",
+        if pid.isdigit() and "-" in p.name.split(kind, 1)[1]:
+            orphan = int(pid) != os.getpid() and not _running(int(pid))
+        else:
+            orphan = time.time() - p.stat().st_mtime > UNOWNED_AGE
+        if orphan:
+            print(f"[core_kv] removing {p}: the temporary folder of a conversion that did not finish",
                   file=sys.stderr)  # fmt: skip
             shutil.rmtree(p, ignore_errors=True)
 
