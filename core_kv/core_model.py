@@ -60,6 +60,9 @@ class CoreConfig(PretrainedConfig):
         ablated_features: Feature names the indexer never sees (zeroed at its input; ``online.ablate_features``).
         memory_trained: False for an artifact whose memory was never trained (``online.memory=false``): its
             default policy runs no memory, and a press that asks for the memory is refused.
+        trained_selection: The retained sets the indexer and the memory were trained under (``train.py``'s
+            ``selection``): ``per_head`` (every artifact before the option) or ``shared`` (one set per layer shared by
+            the KV heads, what ``head_shared`` serves).
     """
 
     model_type = "core_kv"
@@ -91,6 +94,7 @@ class CoreConfig(PretrainedConfig):
         special_token_ids: list[int] | None = None,
         ablated_features: list[str] | None = None,
         memory_trained: bool = True,
+        trained_selection: str = "per_head",
         **kwargs,
     ):
         if write_rule not in WRITE_RULES:
@@ -121,6 +125,9 @@ class CoreConfig(PretrainedConfig):
         self.special_token_ids = list(special_token_ids or [])
         self.ablated_features = list(ablated_features or [])
         self.memory_trained = bool(memory_trained)
+        if trained_selection not in ("per_head", "shared"):
+            raise ValueError(f"trained_selection must be 'per_head' or 'shared', got {trained_selection!r}")
+        self.trained_selection = trained_selection
         unknown = sorted(set(self.ablated_features) - set(self.feature_spec.get("names") or []))
         if unknown:
             raise ValueError(f"ablated_features {unknown} are not in the feature spec's names "

@@ -14,6 +14,7 @@ from core_kv.distill.losses import (
     fit_temperature,
     kl_to_teacher,
     memory_loss,
+    shared_view,
     topb_boundary_bce,
     topb_overlap,
 )
@@ -95,6 +96,42 @@ def test_memory_loss_matches_naive():
     assert abs(float(loss) - (sum(rels) / 6 + 0.3 * sum(bces) / 6)) < 1e-5
 
 
+def test_shared_view_matches_naive():
+    """Head-shared training (issue 56): the pooled teacher target and the student's pooled distribution, and the KL
+    and boundary BCE on them, against per-element Python."""
+    g = torch.Generator().manual_seed(5)
+    hkv, n = 3, 10
+    p = torch.rand(hkv, n, generator=g)
+    p = p / p.sum(-1, keepdim=True)
+    s = torch.randn(hkv, n, generator=g) * 2
+    p_bar, log_q = shared_view(p, s)
+    assert p_bar.shape == log_q.shape == (1, n)
+    soft = [[math.exp(x) / sum(math.exp(y) for y in s[h].tolist()) for x in s[h].tolist()] for h in range(hkv)]
+    q_ref = [sum(soft[h][i] for h in range(hkv)) / hkv for i in range(n)]
+    p_ref = [sum(float(p[h, i]) for h in range(hkv)) / hkv for i in range(n)]
+    torch.testing.assert_close(log_q[0], torch.tensor(q_ref).log(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p_bar[0], torch.tensor(p_ref), rtol=1e-6, atol=1e-7)
+    kl_ref = sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p_ref, q_ref, strict=True))
+    assert abs(float(kl_to_teacher(p_bar, log_q)[0]) - kl_ref) < 1e-5
+    # the boundary BCE ranks the served score: the Top-B of the pooled target against the pooled distribution
+    prot = protected_mask(n, 1, 2)
+    b_free = 3
+    free = [i for i in range(n) if not prot[i]]
+    top = sorted(free, key=lambda i: -p_ref[i])[:b_free]
+    lq = sorted((math.log(q_ref[i]) for i in free), reverse=True)
+    tau = (lq[b_free - 1] + lq[b_free]) / 2
+    bce = []
+    for i in free:
+        x, y = math.log(q_ref[i]) - tau, 1.0 if i in top else 0.0
+        sig = 1 / (1 + math.exp(-x))
+        bce.append(-(y * math.log(sig) + (1 - y) * math.log(1 - sig)))
+    assert abs(float(topb_boundary_bce(p_bar, log_q, prot, b_free)[0]) - sum(bce) / len(free)) < 1e-5
+    # one head: the shared view is the per-head one
+    p1, lq1 = shared_view(p[:1], s[:1])
+    torch.testing.assert_close(lq1, s[:1].log_softmax(-1))
+    torch.testing.assert_close(kl_to_teacher(p1, lq1), kl_to_teacher(p[:1], s[:1]))
+
+
 @pytest.fixture(scope="module")
 def replayed(llama):
     ids = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(4))
@@ -160,6 +197,39 @@ def test_replay_budget_protection_and_error_identity(replayed, policy):
             torch.testing.assert_close(seg["alpha"][hq, j], alpha, rtol=1e-4, atol=1e-5)
             # the paper's exact identity: o* - o_R = α_E (o_E - o_R)
             torch.testing.assert_close(o_full - o_r, alpha * (o_e - o_r), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["student", "teacher"])
+def test_shared_replay_keeps_one_set_per_layer(replayed, policy):
+    """``selection="shared"``: every KV head keeps the same positions, the protected ones plus the free Top-B of the
+    per-head distributions averaged over the heads (softmax of the student's logits, or p*), at the exact budget."""
+    acts, geo = replayed
+    spec = ReplaySpec(chunk_size=64, ratio=0.75, protected_sinks=4, protected_recent=16, policy=policy,
+                      selection="shared")  # fmt: skip
+    score = lambda layer, f: f[..., 0] + 0.1 * f[..., 5]  # noqa: E731
+    events = replay_layer(acts[1], 1, list(range(64, 300, 64)), None, geo, spec, score)
+    evicting = [e for e in events if e.evicts]
+    assert evicting
+    for e in evicting:
+        kept = e.cand[e.kept].view(2, -1)
+        assert torch.equal(kept[0], kept[1]) and kept.shape[1] == e.budget
+        assert e.kept[:, e.protected].all()
+        per_head = e.p_star if policy == "teacher" else e.scores.softmax(-1)
+        pooled = per_head.float().mean(0)
+        free = [i for i in range(e.cand.shape[1]) if not e.protected[i]]
+        top = sorted(free, key=lambda i: -float(pooled[i]))[: e.b_free]
+        assert set(torch.nonzero(e.kept[0] & ~e.protected).flatten().tolist()) == set(top)
+    # a calibrated distribution changes the pooled ranking: the replay uses the one it is given
+    sharp = replay_layer(acts[1], 1, list(range(64, 300, 64)), None, geo, spec, score,
+                         distribution_fn=lambda layer, s: (s / 0.05).softmax(-1))  # fmt: skip
+    if policy == "student":
+        e = next(x for x in sharp if x.evicts)
+        pooled = (e.scores / 0.05).softmax(-1).mean(0)
+        free = [i for i in range(e.cand.shape[1]) if not e.protected[i]]
+        top = sorted(free, key=lambda i: -float(pooled[i]))[: e.b_free]
+        assert set(torch.nonzero(e.kept[0] & ~e.protected).flatten().tolist()) == set(top)
+    with pytest.raises(ValueError, match="selection must be one of"):
+        replay_layer(acts[1], 1, [64], None, geo, ReplaySpec(selection="both"), score)
 
 
 def test_retained_attention_mask_matches_naive(replayed):

@@ -366,6 +366,28 @@ def test_cascade_on_policy_shares_the_warmup_and_changes_the_indexer(tmp_path, t
     assert any(not torch.equal(w[k], r[k]) for k in w if k.startswith("indexer.") and "temperature" not in k)
 
 
+def test_shared_selection_trains_what_head_shared_serves(tmp_path, teacher_dir, reference):
+    """``selection=shared`` (issue 56): every stage's hash changes (they all train or replay under the selection), the
+    indexer and memory differ from the per-head run's, and the artifact records the selection it was trained under;
+    at its default the option leaves every hash as before (shipped runs stay recognised)."""
+    import json
+
+    from core_kv.core_model import CoreModel
+    from core_kv.distill.config import TrainConfig
+    from core_kv.distill.trainer import _hashed
+
+    assert "selection" not in _hashed(TrainConfig())
+    out = tmp_path / "shared"
+    run(tiny_args(out, teacher_dir, "selection=shared"))
+    mine, ref = (json.loads((d / "run.json").read_text())["stages"] for d in (out, reference))
+    assert all(mine[k] != ref[k] for k in ref)
+    w, r = weights(out), weights(reference)
+    for part in ("indexer.", "memory."):
+        assert any(not torch.equal(w[k], r[k]) for k in w if k.startswith(part) and "temperature" not in k), part
+    assert CoreModel.from_pretrained(out / "final").config.trained_selection == "shared"
+    assert CoreModel.from_pretrained(reference / "final").config.trained_selection == "per_head"
+
+
 def test_feature_spec_v2_trains_loads_and_compresses_to_the_budget(tmp_path, teacher_dir, reference):
     """``teacher.features=2``: the teacher records spec v2; a v1 dataset in that folder is never reused, nor replaced
     unless ``teacher.overwrite=true`` (then rebuilt); the artifact records v2 and its press computes v2 features (KeyDiff / twin columns) and keeps the exact budget; at

@@ -15,6 +15,7 @@ from pathlib import Path
 from core_kv.config import ConfigError, check_on_init, folder, non_empty, option
 from core_kv.features_v3 import ablated_names
 from core_kv.memory import WRITE_RULES
+from core_kv.distill.replay import SELECTIONS
 from core_kv.policy import PolicyStageConfig
 from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
 
@@ -274,6 +275,11 @@ class TrainConfig:
         eval_ratios: Ratios of the final report.
         eval_greedy: Also compute Table 7's greedy J_B maximiser (slow: one Sherman–Morrison pick per free token).
         write_rule: ``mass`` (CORE) | ``equal_event`` | ``uniform_token``.
+        selection: Which retained sets the indexer and the memory are trained under: ``per_head`` (each KV head its
+            own Top-B, CORE.md) or ``shared`` (one set per layer shared by the KV heads, the Top-B of the per-head
+            distributions averaged over the heads: what ``head_shared`` serves). ``shared`` trains the indexer on the
+            pooled target ``p̄* = mean_h p*_h`` against the pooled score (:func:`core_kv.distill.losses.shared_view`)
+            and replays shared evictions in the on-policy, calibration and memory stages. The artifact records it.
         micro_batch: Documents per process per micro-step (records: ``indexer.records_per_micro``).
         grad_accum: Micro-steps per optimizer step (``accelerator.accumulate``).
         save_every: Optimizer steps between resumable checkpoints; ``keep_last`` are kept.
@@ -306,6 +312,7 @@ class TrainConfig:
     eval_ratios: list[float] = option(factory=lambda: [0.75, 0.9], gt=0, lt=1, check=non_empty)
     eval_greedy: bool = False
     write_rule: str = option("mass", choices=WRITE_RULES)
+    selection: str = option("per_head", choices=SELECTIONS)
     indexer: IndexerStage = field(default_factory=IndexerStage)
     calibration: CalibrationStage = field(default_factory=CalibrationStage)
     memory: MemoryStage = field(default_factory=MemoryStage)

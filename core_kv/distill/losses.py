@@ -7,6 +7,10 @@
 - :func:`excluded_mass`, :func:`fit_temperature`, :func:`calibration_error`: stage 3, one temperature per layer
   so the excluded mass ``ε̂`` matches the true evicted attention mass ``α`` (CORE.md stage 3).
 - :func:`topb_overlap`: share of the free Top-B picks the student shares with the teacher.
+- :func:`shared_view`: the head-shared targets and scores (``selection: shared``): the teacher allocation pooled
+  over a layer's KV heads and the student's pooled distribution, the quantity ``head_shared`` ranks at inference;
+  every loss above then applies to the pooled row [choice: issue 56; the release trains head-shared scores, anchors
+  §5].
 - :func:`boundary_windows`, :func:`pairwise_hinge`, :func:`multi_budget_hinge`: the released recipe's boundary
   term (GitHub ``zhutizi23-coder/CORE`` ``core/indexer.py`` ``boundary_margin_loss``, ``core/train.py``): at every
   budget, the ``δ`` teacher ranks just inside the cut must out-score the ``δ`` just outside by a margin.
@@ -43,6 +47,19 @@ def topb_boundary_bce(p_star: torch.Tensor, scores: torch.Tensor, protected: tor
     tau = s.masked_fill(protected, float("-inf")).topk(b_free + 1, dim=-1).values[..., -2:].mean(-1).detach()
     bce = F.binary_cross_entropy_with_logits(s - tau[..., None], target.float(), reduction="none")
     return (bce * free).sum(-1) / free.sum()
+
+
+def shared_view(p_star: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head-shared targets and scores over one layer's KV heads (dim −2): ``(p̄*, log q̄)``, each (.., 1, N).
+
+    ``p̄* = (1/Hkv) Σ_h p*_h`` is the teacher allocation pooled over the heads, and ``log q̄ = log (1/Hkv) Σ_h
+    softmax(s_h)`` the student's pooled distribution: what :class:`~core_kv.presses.head_shared.HeadSharedPress`
+    ranks (the mean of the per-head distributions; before calibration the temperature is 1). ``log q̄`` is already
+    normalised, so ``kl_to_teacher(p̄*, log q̄) = KL(p̄* ‖ q̄)`` and the boundary BCE ranks the served score.
+    """
+    hkv = scores.shape[-2]
+    log_q = torch.logsumexp(F.log_softmax(scores.float(), -1), dim=-2, keepdim=True) - math.log(hkv)
+    return p_star.float().mean(-2, keepdim=True), log_q
 
 
 def excluded_mass(scores: torch.Tensor, evicted: torch.Tensor, temperature: float | torch.Tensor = 1.0):

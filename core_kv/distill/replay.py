@@ -47,6 +47,9 @@ from core_kv.teacher.solver import solve_allocation
 from core_kv.teacher.utility import future_utilities, normalise
 
 POLICIES = ("student", "teacher", "full")
+SELECTIONS = ("per_head", "shared")
+"""Who shares a retained set: ``per_head`` (each KV head its own Top-B) or ``shared`` (one set per layer, the Top-B of
+the per-head distributions averaged over the KV heads: what ``head_shared`` serves at inference)."""
 
 
 class Timer:
@@ -173,6 +176,7 @@ class ReplaySpec:
     steps: int = 8
     eta: float | str = "auto"
     policy: str = "student"
+    selection: str = "per_head"  # SELECTIONS: per-head retained sets or one set per layer shared by the KV heads
     targets: bool = True  # compute π_U and p* (training, metrics); the memory stage needs π_U only for α
     utility: bool = True
     utility_pool: str = "mean"  # TeacherConfig.utility_pool
@@ -230,6 +234,7 @@ def replay_layer(
     spec: ReplaySpec,
     score_fn: Callable[[int, torch.Tensor], torch.Tensor] | None,
     timer: Timer | None = None,
+    distribution_fn: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[Event]:
     """Replay the events of one layer; returns one :class:`Event` per event time.
 
@@ -242,9 +247,15 @@ def replay_layer(
         spec: Budget, protection, teacher parameters and the retention policy.
         score_fn: ``score_fn(layer, raw_features (Hkv, N, F)) -> logits (Hkv, N)``; required for ``student``.
         timer: Optional :class:`Timer` (parts ``features``, ``teacher``, ``indexer``).
+        distribution_fn: With ``spec.selection == "shared"``: ``distribution_fn(layer, logits) -> (Hkv, N)`` per-head
+            distributions whose mean over the KV heads ranks the shared set (default ``softmax(logits)``, the
+            uncalibrated student; the memory stage passes the calibrated :meth:`CoreIndexer.distribution`). The
+            teacher policy averages ``p*``.
     """
     if spec.policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {spec.policy!r}")
+    if spec.selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {SELECTIONS}, got {spec.selection!r}")
     if acts.window is not None:  # a sliding-window layer keeps its window at inference: nothing to replay or learn
         return []
     timer = timer or Timer("cpu")
@@ -316,7 +327,12 @@ def replay_layer(
             sel = p_star if spec.policy == "teacher" else scores
             if sel is None:
                 raise ValueError("student policy needs a score_fn")
-            kept = top_free(sel.detach().float(), prot, b - int(prot.sum()))
+            sel = sel.detach().float()
+            if spec.selection == "shared":  # one set for every head: the Top-B of the mean per-head distribution
+                if spec.policy == "student":
+                    sel = distribution_fn(layer, sel) if distribution_fn is not None else sel.softmax(-1)
+                sel = sel.mean(0, keepdim=True).expand(hkv, -1)
+            kept = top_free(sel, prot, b - int(prot.sum()))
         end = times[e + 1] if e + 1 < len(times) else t_len
         events.append(Event(t_e, end, cand, feats, scores, pi_u, p_star, kept, prot, b, b - int(prot.sum()), pi_mass))
         retained = cand[kept].view(hkv, -1) if spec.policy != "full" else cand

@@ -33,7 +33,7 @@ def train_indexer(tr: RunContext) -> None:
         pool = tr.ds.records()
         records = [pool[j % len(pool)] for j in range(n_rec)]
     t = tr.core_config
-    warm = WarmupStep(idx, ic.rank_weight, t.protected_sinks, t.protected_recent)
+    warm = WarmupStep(idx, ic.rank_weight, t.protected_sinks, t.protected_recent, selection=cfg.selection)
     run_stage(tr, "indexer_warmup", warm, params, records, ic.warmup_steps, ic, ic.records_per_micro)
     items = [] if tr.stage_file("indexer").is_file() else tr.doc_items(ic.steps)
     step = OnPolicyStep(idx, tr.context("indexer"), ic.rank_weight, cascade=ic.cascade)

@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from core_kv.budget import protected_mask
-from core_kv.distill.losses import kl_to_teacher, memory_loss, relative_error, topb_boundary_bce, topb_overlap
+from core_kv.distill.losses import (
+    kl_to_teacher,
+    memory_loss,
+    relative_error,
+    shared_view,
+    topb_boundary_bce,
+    topb_overlap,
+)
 from core_kv.distill.replay import ReplaySpec, Timer, capture, cascade_capture, replay_layer, segment_attention
 from core_kv.geometry import Geometry
 from core_kv.indexer import CoreIndexer
@@ -79,10 +86,14 @@ def _zero(module: nn.Module) -> torch.Tensor:
 class WarmupStep(nn.Module):
     """KL(p* ‖ softmax(s)) (+ Top-B boundary BCE) on teacher records."""
 
-    def __init__(self, indexer: CoreIndexer, rank_weight: float, sinks: int, recent: int, ratio_index: int = 0):
+    def __init__(
+        self, indexer: CoreIndexer, rank_weight: float, sinks: int, recent: int, ratio_index: int = 0,
+        selection: str = "per_head",
+    ):  # fmt: skip
         super().__init__()
         self.indexer = indexer
         self.rank_weight, self.sinks, self.recent, self.ratio_index = rank_weight, sinks, recent, ratio_index
+        self.selection = selection
 
     def forward(self, records: list[TeacherRecord]):
         device = self.indexer.head_bias.device
@@ -90,6 +101,8 @@ class WarmupStep(nn.Module):
         for j, r in enumerate(records):
             s = self.indexer.scores(r.layer, r.features.to(device))  # (Hkv, N)
             p = r.p_star.to(device)
+            if self.selection == "shared":  # the pooled target and the pooled (served) score: (1, N)
+                p, s = shared_view(p, s)
             kl = kl_to_teacher(p, s).mean()
             loss = kl
             n = p.shape[-1]
@@ -143,13 +156,16 @@ class OnPolicyStep(nn.Module):
                     for ev in events:
                         if ev.p_star is None:
                             continue
-                        kl = kl_to_teacher(ev.p_star, ev.scores).mean()
+                        p, s = ev.p_star, ev.scores
+                        if spec.selection == "shared":  # the pooled target and the pooled (served) score: (1, N)
+                            p, s = shared_view(p, s)
+                        kl = kl_to_teacher(p, s).mean()
                         term = kl
                         if ev.evicts and ev.b_free > 0:
                             if self.rank_weight > 0:
-                                bce = topb_boundary_bce(ev.p_star, ev.scores, ev.protected, ev.b_free).mean()
+                                bce = topb_boundary_bce(p, s, ev.protected, ev.b_free).mean()
                                 term = term + self.rank_weight * bce
-                            overlaps.append(topb_overlap(ev.scores.detach(), ev.p_star, ev.protected, ev.b_free).mean())
+                            overlaps.append(topb_overlap(s.detach(), p, ev.protected, ev.b_free).mean())
                         terms.append(term)
                         kls.append(kl.detach())
             tokens += len(it.doc.ids)
@@ -185,7 +201,7 @@ class MemoryStep(nn.Module):
         for layer, a in enumerate(acts):
             with torch.no_grad():
                 events = replay_layer(a, layer, ctx.times(it.doc), it.doc.qa_start, ctx.geometry, spec, idx.scores,
-                                      ctx.timer)  # fmt: skip
+                                      ctx.timer, distribution_fn=idx.distribution)  # fmt: skip
             with ctx.timer("memory"):
                 state = self.memory.empty_state(device=a.k_pre.device)
                 for ev in events:

@@ -79,6 +79,8 @@ def _hashed(cfg) -> dict:
     for (section, name), default in LATER_DEFAULTS.items():
         if d[section].get(name, default) == default:
             d[section].pop(name, None)
+    if d.get("selection", "per_head") == "per_head":  # added after artifacts were shipped (issue 56)
+        d.pop("selection", None)
     return d
 
 
@@ -176,6 +178,8 @@ class Trainer(RunContext):
         d = _hashed(self.cfg)
         chain = {"fingerprint": self.fingerprint, "seed": d["seed"], "grad_accum": d["grad_accum"],
                  "teacher": self._teacher_key() | {"data": d["teacher"]["data"]}}  # fmt: skip
+        if "selection" in d:  # every stage replays (or trains on) the selection: one link at the chain's root
+            chain["selection"] = d["selection"]
         docs = {k: d[k] for k in ("train_docs", "ratios", "micro_batch")}
         own = {
             "indexer_warmup": {"indexer": {k: v for k, v in d["indexer"].items() if k not in ("steps", "cascade")}},
@@ -224,7 +228,7 @@ class Trainer(RunContext):
         self.core_config = CoreConfig.for_model(
             self.model, geometry, write_rule=cfg.write_rule, protected_sinks=t["protected_sinks"],
             protected_recent=t["protected_recent"], chunk_size=t["chunk_size"], teacher=t,
-            feature_spec=self.ds.manifest["feature_spec"],
+            feature_spec=self.ds.manifest["feature_spec"], trained_selection=cfg.selection,
         )  # fmt: skip
         torch.manual_seed(cfg.seed)
         self.core = CoreModel(self.core_config)
@@ -233,7 +237,9 @@ class Trainer(RunContext):
         self.core.indexer.set_feature_stats(self.ds.feature_stats())
         self.core.to(acc.device)
         self.geometry = self.core.geometry()
-        self.spec = ReplaySpec.from_teacher(t, features=self.ds.manifest["feature_spec"]["version"])
+        self.spec = ReplaySpec.from_teacher(
+            t, features=self.ds.manifest["feature_spec"]["version"], selection=cfg.selection
+        )
         self.autocast = acc.autocast() if acc.mixed_precision != "no" else None
         if cfg.wandb:
             # mode/dir passed explicitly: wandb caches its settings process-wide at first import, so an earlier
