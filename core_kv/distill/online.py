@@ -297,7 +297,8 @@ class ReleasedTrainer(Trainer):
     """:class:`~core_kv.distill.trainer.Trainer` for the released recipe: no teacher dataset, a v3 artifact."""
 
     stages = STAGES
-    unread = ("build_teacher", "indexer", "calibration", "memory", "write_rule", "calib_docs", "ratios", "eval_greedy",
+    unread = ("build_teacher", "indexer", "calibration", "memory", "write_rule", "selection", "calib_docs", "ratios",
+              "eval_greedy",
               *(f"teacher.{f.name}" for f in fields(TeacherConfig) if f.name not in ("model", "data")),
               "teacher.data.min_len", "teacher.data.max_len")  # fmt: skip
 
