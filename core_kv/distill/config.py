@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core_kv.config import ConfigError, check_on_init, folder, non_empty, option
+from core_kv.distill.replay import SELECTIONS
 from core_kv.features_v3 import ablated_names
 from core_kv.memory import WRITE_RULES
-from core_kv.distill.replay import SELECTIONS
 from core_kv.policy import PolicyStageConfig
 from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
 
