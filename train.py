@@ -20,7 +20,8 @@ Examples::
     accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train.py --config configs/train/qwen3_8b.yaml
 
 Every option below is a field of ``core_kv/distill/config.py``; a guide to training your own model:
-``docs/train-your-model.md``.
+``docs/train-your-model.md``. A plugin recipe (``plugins: [research.released]`` with ``recipe: released``) adds its own
+section: ``train.py --config research/released/configs/proxy.yaml --help`` lists it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 
 from core_kv.config import load_config, shipped_configs
 from core_kv.distill.config import TrainConfig
+from core_kv.distill.trainer import train_schema
 from core_kv.models.loading import PROXY_PATH
 from core_kv.run import train
 
@@ -44,7 +46,8 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = load_config(TrainConfig, argv, usage=usage() if {"-h", "--help"} & set(argv) else __doc__)
+    # the config's plugins are imported first: a plugin's recipe brings its own config schema (train_schema)
+    cfg = load_config(TrainConfig, argv, usage() if {"-h", "--help"} & set(argv) else __doc__, resolve=train_schema)
     return train(cfg)
 
 

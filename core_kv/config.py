@@ -40,18 +40,23 @@ from omegaconf.errors import OmegaConfBaseException
 T = TypeVar("T")
 
 
-def load_config(schema: type[T], argv: list[str] | None = None, usage: str | None = None) -> T:
+def load_config(
+    schema: type[T],
+    argv: list[str] | None = None,
+    usage: str | None = None,
+    resolve: Callable[[DictConfig], type[T]] | None = None,
+) -> T:
     """Build ``schema`` from defaults, then YAML files (``*.yaml``/``--config F``), then ``a.b=v`` dotlist overrides.
 
     Unknown keys and wrongly typed values raise, naming the key; then :func:`check_config` checks every option of the
     tree (dotted names) before anything runs. With ``--help``/``-h`` in ``argv`` it prints ``usage`` (the entry
-    point's docstring) and :func:`config_help`, then exits 0.
+    point's docstring) and :func:`config_help`, then exits 0. ``resolve`` picks the schema from the YAML files and
+    overrides merged as given (unchecked), before they are read into it (as transformers' ``AutoConfig`` picks a
+    class by ``model_type``): e.g. a train config's ``recipe``.
     """
     argv = list(argv or [])
-    if {"-h", "--help"} & set(argv):
-        print(config_help(schema, usage))
-        sys.exit(0)
-    base = OmegaConf.structured(schema)
+    help_asked = bool({"-h", "--help"} & set(argv))
+    argv = [a for a in argv if a not in ("-h", "--help")]
     layers = []
     i = 0
     while i < len(argv):
@@ -71,6 +76,12 @@ def load_config(schema: type[T], argv: list[str] | None = None, usage: str | Non
         else:
             raise ValueError(f"cannot parse argument {arg!r}: expected a YAML file or key=value")
         i += 1
+    if resolve is not None:
+        schema = resolve(OmegaConf.merge(*layers) if layers else OmegaConf.create())
+    if help_asked:
+        print(config_help(schema, usage))
+        sys.exit(0)
+    base = OmegaConf.structured(schema)
     try:
         merged = OmegaConf.merge(base, *layers)
     except (OmegaConfBaseException, TypeError) as e:  # omegaconf's errors name the key: "threads: Value 'x' ..."

@@ -5,6 +5,12 @@
 the feature statistics and the base-model fingerprint. Load it offline with ``CoreModel.from_pretrained(path)``; pass
 ``base_model=`` to refuse a different base model (layers, heads, head dim or weights digest) with a clear error.
 
+Artifact kinds are chosen by ``config.json``'s ``model_type``, as transformers' ``AutoConfig`` does:
+:data:`ARTIFACTS` maps each to its class (``core_kv`` -> :class:`CoreModel`; a plugin adds its own with
+:func:`register_artifact`, e.g. ``research.released``'s ``core_kv_released``) and :func:`load_artifact` loads a folder
+of any registered kind. :class:`ArtifactModel` is what every kind shares: loading with named errors, the base-model
+check and the recorded inference policy.
+
 Shapes: L layers, H query heads, Hkv KV heads, D head dim, F = 14 features, d_z projected key dim, M prototypes.
 """
 
@@ -17,19 +23,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from core_kv.fast_memory import DECAY, GATE_HIDDEN, KERNELS, READOUTS, FastMemory
-from core_kv.features import FEATURE_SPECS, SHARED_SPECS, spec, spec_differences
-from core_kv.features_v3 import compute_features_v3, special_mask
+from core_kv.features import FEATURE_SPECS, spec, spec_differences
 from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
 from core_kv.indexer import CoreIndexer
-from core_kv.key_geometry import KeyGeometry
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
 from core_kv.models.loading import looks_local
-from core_kv.policy import PAPER, InferencePolicy, PolicyOptions
+from core_kv.policy import PAPER, InferencePolicy
 
 ARTIFACT_VERSION = 1
-MEMORY_KINDS = ("latent", "fast")
-STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class CoreConfig(PretrainedConfig):
@@ -48,24 +49,15 @@ class CoreConfig(PretrainedConfig):
         inference_policy: The composition to run per compression-ratio band, chosen by ``train.py``'s policy stage
             on its own validation prompts (:class:`~core_kv.policy.InferencePolicy` as a dict); ``None``: the paper's
             press.
-        memory_kind: ``latent`` (:mod:`core_kv.memory`, one state per KV head, the reconstruction of CORE.md) or
-            ``fast`` (:mod:`core_kv.fast_memory`, the authors' release: one state per layer, post-RoPE queries).
-        memory_gate_hidden, memory_decay: The fast memory's gate width and decay γ across events.
-        memory_readout: The fast memory's correction: ``residual`` (the release: ``o_R + g m``) or ``interpolate``
-            (the paper's form: ``o_R + g (m − o_R)``), :class:`~core_kv.fast_memory.FastMemory`.
-        memory_kernel: The fast memory's kernel: ``released`` (signed) or ``positive`` (:func:`core_kv.fast_memory.read`).
-        memory_dtype: Storage dtype of the memory's weights in ``model.safetensors`` (``float32``, ``float16``,
-            ``bfloat16``); they are computed in float32 after loading.
-        special_token_ids: Token ids the spec-v3 ``sink`` feature flags (the tokenizer's special tokens).
-        ablated_features: Feature names the indexer never sees (zeroed at its input; ``online.ablate_features``).
-        memory_trained: False for an artifact whose memory was never trained (``online.memory=false``): its
-            default policy runs no memory, and a press that asks for the memory is refused.
         trained_selection: The retained sets the indexer and the memory were trained under (``train.py``'s
             ``selection``): ``per_head`` (every artifact before the option) or ``shared`` (one set per layer shared by
             the KV heads, what ``head_shared`` serves).
     """
 
     model_type = "core_kv"
+    # the integer settings check_artifact refuses by name when missing or below their floor (protected_*: 0, else 1)
+    sizes = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_z", "num_prototypes", "memory_dim",
+             "chunk_size", "protected_sinks", "protected_recent")  # fmt: skip
 
     def __init__(
         self,
@@ -85,28 +77,11 @@ class CoreConfig(PretrainedConfig):
         teacher: dict | None = None,
         inference_policy: dict | None = None,
         artifact_version: int = ARTIFACT_VERSION,
-        memory_kind: str = "latent",
-        memory_gate_hidden: int = GATE_HIDDEN,
-        memory_decay: float = DECAY,
-        memory_dtype: str = "float32",
-        memory_readout: str = "residual",
-        memory_kernel: str = "released",
-        special_token_ids: list[int] | None = None,
-        ablated_features: list[str] | None = None,
-        memory_trained: bool = True,
         trained_selection: str = "per_head",
         **kwargs,
     ):
         if write_rule not in WRITE_RULES:
             raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {write_rule!r}")
-        if memory_kind not in MEMORY_KINDS:
-            raise ValueError(f"memory_kind must be one of {MEMORY_KINDS}, got {memory_kind!r}")
-        if memory_kernel not in KERNELS:
-            raise ValueError(f"memory_kernel must be one of {KERNELS}, got {memory_kernel!r}")
-        if memory_readout not in READOUTS:
-            raise ValueError(f"memory_readout must be one of {READOUTS}, got {memory_readout!r}")
-        if memory_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"memory_dtype must be one of {sorted(STORAGE_DTYPES)}, got {memory_dtype!r}")
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = (
             num_layers,
             num_heads,
@@ -120,24 +95,10 @@ class CoreConfig(PretrainedConfig):
         self.teacher = teacher or {}
         self.inference_policy = inference_policy
         self.artifact_version = artifact_version
-        self.memory_kind, self.memory_gate_hidden, self.memory_decay = memory_kind, memory_gate_hidden, memory_decay
-        self.memory_dtype, self.memory_readout, self.memory_kernel = memory_dtype, memory_readout, memory_kernel
-        self.special_token_ids = list(special_token_ids or [])
-        self.ablated_features = list(ablated_features or [])
-        self.memory_trained = bool(memory_trained)
         if trained_selection not in ("per_head", "shared"):
             raise ValueError(f"trained_selection must be 'per_head' or 'shared', got {trained_selection!r}")
         self.trained_selection = trained_selection
-        unknown = sorted(set(self.ablated_features) - set(self.feature_spec.get("names") or []))
-        if unknown:
-            raise ValueError(f"ablated_features {unknown} are not in the feature spec's names "
-                             f"{list(self.feature_spec.get('names') or [])}")  # fmt: skip
         super().__init__(**kwargs)
-
-    @property
-    def shared_scores(self) -> bool:
-        """One score per token per layer, broadcast to the KV heads (feature spec v3) instead of one per KV head."""
-        return self.feature_spec.get("version") in SHARED_SPECS
 
     @classmethod
     def for_model(cls, model: nn.Module, geometry: Geometry, **kwargs) -> CoreConfig:
@@ -149,16 +110,94 @@ class CoreConfig(PretrainedConfig):
         )  # fmt: skip
 
 
-class CorePreTrainedModel(PreTrainedModel):
-    config_class = CoreConfig
+ARTIFACTS: dict[str, type[ArtifactModel]] = {}  # config.json model_type -> the artifact class (register_artifact)
+
+
+class ArtifactModel(PreTrainedModel):
+    """What every CORE artifact kind shares: offline loading with named errors (:meth:`from_pretrained`), the
+    base-model check and the recorded inference policy. A kind sets ``config_class`` (with its own ``model_type``,
+    ``sizes`` and ``inference_policy``) and :meth:`spec_problem`, and is registered with :func:`register_artifact`."""
+
     base_model_prefix = "core"
     main_input_name = "features"
 
     def _init_weights(self, module: nn.Module) -> None:  # weights are initialised by the modules themselves
         pass
 
+    @classmethod
+    def spec_problem(cls, feature_spec: dict) -> str:
+        """How ``feature_spec`` differs from what this code computes (``""``: it does not)."""
+        differ = spec_differences(feature_spec)
+        return differ and f"trained with {differ}; this code computes feature specs {sorted(FEATURE_SPECS)}"
 
-class CoreModel(CorePreTrainedModel):
+    # ---------------------------------------------------------------------------------------------------------
+    # Base-model checks
+
+    def check_base_model(self, model: nn.Module) -> None:
+        """Raise :class:`~core_kv.geometry.FingerprintMismatch` if ``model`` is not the base it was trained on.
+
+        Layers, heads, KV heads, head dim and the key-projection digest must all match; the name/revision may
+        differ (a local copy of the same weights is fine).
+        """
+        fp = model_fingerprint(model)
+        stored = dict(self.config.fingerprint)
+        keys = ("layers", "heads", "kv_heads", "head_dim", "model_type", "k_proj_digest")
+        check_fingerprint({k: stored.get(k) for k in keys}, {k: fp.get(k) for k in keys}, "CORE checkpoint")
+
+    @classmethod
+    def from_pretrained(cls, path, *args, base_model: nn.Module | None = None, **kwargs):
+        """Load an artifact folder offline; with ``base_model`` also check it matches (clear error if not).
+
+        A local folder is checked first, naming the file: ``config.json``'s kind and settings (counts, protected
+        positions) and every tensor of ``model.safetensors`` (present, the shape the config implies, finite).
+        """
+        kwargs.setdefault("local_files_only", True)
+        if Path(path).is_dir():
+            check_artifact(Path(path), cls)
+        elif Path(path).exists():
+            raise FileNotFoundError(f"{path} is a file; a CORE artifact is a folder (config.json + model.safetensors)")
+        elif looks_local(str(path)):
+            raise FileNotFoundError(
+                f"CORE artifact folder {path} does not exist (expected config.json + model.safetensors)"
+            )
+        try:
+            core = super().from_pretrained(path, *args, **kwargs)
+        except OSError as e:  # a hub id that is not in the local cache (or cannot be downloaded)
+            if Path(path).is_dir():
+                raise
+            raise FileNotFoundError(
+                f"CORE artifact {str(path)!r}: no such folder, and no hub model of that id could be loaded "
+                f"(local_files_only={kwargs['local_files_only']}): {str(e).splitlines()[0]}"
+            ) from e
+        if core.config.artifact_version != ARTIFACT_VERSION:
+            raise ValueError(f"{path}: artifact v{core.config.artifact_version}, this code reads v{ARTIFACT_VERSION}")
+        problem = cls.spec_problem(core.config.feature_spec)
+        if problem:  # other version, names or constants: the press would compute other features than it learned on
+            raise ValueError(
+                f"{path}: {problem} with their recorded constants; retrain with `accelerate launch train.py`"
+            )
+        if base_model is not None:
+            core.check_base_model(base_model)
+        core.memory.float()  # computed in float32 (a kind may store it in another dtype)
+        return core.eval()
+
+    def policy(self) -> InferencePolicy:
+        """The recorded inference policy (when none is recorded: the paper's press for every ratio)."""
+        if self.config.inference_policy is None:
+            return InferencePolicy.single(PAPER, validation={"note": "no policy recorded: the paper's press"})
+        where = f"{self.config.name_or_path}/config.json: inference_policy" if self.config.name_or_path else None
+        policy = InferencePolicy.from_dict(self.config.inference_policy, where or "inference_policy")
+        policy.check_layers(self.config.num_layers, where or "inference_policy")
+        return policy
+
+    def num_parameters_by_part(self) -> dict:
+        return {
+            "indexer": sum(p.numel() for p in self.indexer.parameters()),
+            "memory": sum(p.numel() for p in self.memory.parameters()),
+        }
+
+
+class CoreModel(ArtifactModel):
     """The CORE artifact: indexer + temperatures + latent memory/gate + geometry + feature statistics.
 
     Example::
@@ -169,87 +208,20 @@ class CoreModel(CorePreTrainedModel):
         state = core.memory.write(state, layer, k_pre, v, write_weights(p, evicted, core.config.write_rule))
     """
 
+    config_class = CoreConfig
+
     def __init__(self, config: CoreConfig):
         super().__init__(config)
         c = config
-        self.indexer = CoreIndexer(c.num_layers, 1 if c.shared_scores else c.num_kv_heads)
-        if c.ablated_features:
-            self.indexer.ablate([c.feature_spec["names"].index(n) for n in c.ablated_features])
-        if c.memory_kind == "fast":
-            self.memory = FastMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim,
-                                     c.memory_gate_hidden, c.memory_readout, c.memory_kernel)  # fmt: skip
-        else:
-            self.memory = LatentMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim)
+        self.indexer = CoreIndexer(c.num_layers, c.num_kv_heads)
+        self.memory = LatentMemory(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.memory_dim)
         m = c.num_prototypes
-        if c.shared_scores:  # the released fixed geometry (core_kv.key_geometry)
-            self.register_buffer("key_projection", torch.zeros(c.num_layers, c.d_z, c.num_kv_heads * c.head_dim))
-            self.register_buffer("key_prototypes", torch.zeros(m, c.d_z))
-            self.register_buffer("key_rotation", torch.zeros(c.d_z, c.d_z))
-        else:
-            self.register_buffer("geo_mean", torch.zeros(c.num_layers, c.num_kv_heads, c.head_dim))
-            self.register_buffer("geo_proj", torch.zeros(c.num_layers, c.num_kv_heads, c.d_z, c.head_dim))
-            self.register_buffer("geo_prototypes", torch.zeros(c.num_layers, c.num_kv_heads, m, c.d_z))
-            self.register_buffer("geo_gamma", torch.ones(c.num_layers, c.num_kv_heads))
-            self.register_buffer("geo_kmm_inv_sqrt", torch.zeros(c.num_layers, c.num_kv_heads, m, m))
+        self.register_buffer("geo_mean", torch.zeros(c.num_layers, c.num_kv_heads, c.head_dim))
+        self.register_buffer("geo_proj", torch.zeros(c.num_layers, c.num_kv_heads, c.d_z, c.head_dim))
+        self.register_buffer("geo_prototypes", torch.zeros(c.num_layers, c.num_kv_heads, m, c.d_z))
+        self.register_buffer("geo_gamma", torch.ones(c.num_layers, c.num_kv_heads))
+        self.register_buffer("geo_kmm_inv_sqrt", torch.zeros(c.num_layers, c.num_kv_heads, m, m))
         self.post_init()
-
-    @torch.no_grad()
-    def set_key_geometry(self, geometry: KeyGeometry) -> None:
-        """Store the released fixed key geometry (feature spec v3 artifacts)."""
-        for name, src in (("projection", geometry.projection), ("prototypes", geometry.prototypes),
-                          ("rotation", geometry.rotation)):  # fmt: skip
-            dst = getattr(self, f"key_{name}")
-            if src.shape != dst.shape:
-                raise ValueError(f"key geometry {name} {tuple(src.shape)} vs artifact {tuple(dst.shape)}")
-            dst.copy_(src)
-
-    def key_geometry(self) -> KeyGeometry:
-        """The released fixed key geometry stored in a spec-v3 artifact."""
-        return KeyGeometry(self.key_projection.detach(), self.key_prototypes.detach(), self.key_rotation.detach())
-
-    @torch.no_grad()
-    def released_scores(
-        self,
-        layer: int,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        query_pos: torch.Tensor,
-        key_pos: torch.Tensor,
-        seq_len: int,
-        scaling: float,
-        phase: int = 0,
-        token_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One score per candidate (N,) of a spec-v3 artifact at one event of ``layer``, shared by the KV heads.
-
-        Args:
-            queries: The event's post-RoPE queries (H, T, D) at ``query_pos`` (T,) (every prefill query; the last
-                decode interval's queries at a decode event).
-            keys, values: The cached post-RoPE keys and values (Hkv, N, D) at ``key_pos`` (N,).
-            seq_len: Tokens processed so far (the uncompressed length).
-            scaling: The attention module's score scale.
-            phase: 0 at a prefill event, 1 at a decode event.
-            token_ids: The candidates' token ids (N,), for the special-token flag (``None``: sinks only).
-        """
-        if not self.config.shared_scores:
-            raise ValueError("released_scores needs a feature spec v3 artifact (head-shared scores)")
-        special = special_mask(token_ids, self.config.special_token_ids)
-        feats, _, _ = compute_features_v3(queries, keys, values, query_pos, key_pos, seq_len, self.key_geometry(),
-                                          layer, scaling, phase, special)  # fmt: skip
-        return self.indexer.scores(layer, feats[None])[0]
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """``PreTrainedModel.save_pretrained`` with the memory's weights stored in ``config.memory_dtype``."""
-        dtype = STORAGE_DTYPES[self.config.memory_dtype]
-        if dtype == torch.float32:
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        original = next(self.memory.parameters()).dtype
-        self.memory.to(dtype)
-        try:
-            return super().save_pretrained(save_directory, *args, **kwargs)
-        finally:
-            self.memory.to(original)
 
     # ---------------------------------------------------------------------------------------------------------
     # Geometry and statistics
@@ -268,81 +240,33 @@ class CoreModel(CorePreTrainedModel):
         t = [getattr(self, f"geo_{k}").detach() for k in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt")]
         return Geometry(*t, fingerprint=dict(self.config.fingerprint))
 
-    # ---------------------------------------------------------------------------------------------------------
-    # Base-model checks
 
-    def check_base_model(self, model: nn.Module) -> None:
-        """Raise :class:`~core_kv.teacher.geometry.FingerprintMismatch` if ``model`` is not the base it was trained on.
-
-        Layers, heads, KV heads, head dim and the key-projection digest must all match; the name/revision may
-        differ (a local copy of the same weights is fine).
-        """
-        fp = model_fingerprint(model)
-        stored = dict(self.config.fingerprint)
-        keys = ("layers", "heads", "kv_heads", "head_dim", "model_type", "k_proj_digest")
-        check_fingerprint({k: stored.get(k) for k in keys}, {k: fp.get(k) for k in keys}, "CORE checkpoint")
-
-    @classmethod
-    def from_pretrained(cls, path, *args, base_model: nn.Module | None = None, **kwargs) -> CoreModel:
-        """Load an artifact folder offline; with ``base_model`` also check it matches (clear error if not).
-
-        A local folder is checked first, naming the file: ``config.json``'s settings (counts, protected positions,
-        write rule) and every tensor of ``model.safetensors`` (present, the shape the config implies, finite).
-        """
-        kwargs.setdefault("local_files_only", True)
-        if Path(path).is_dir():
-            check_artifact(Path(path))
-        elif Path(path).exists():
-            raise FileNotFoundError(f"{path} is a file; a CORE artifact is a folder (config.json + model.safetensors)")
-        elif looks_local(str(path)):
-            raise FileNotFoundError(
-                f"CORE artifact folder {path} does not exist (expected config.json + model.safetensors)"
-            )
-        try:
-            core = super().from_pretrained(path, *args, **kwargs)
-        except OSError as e:  # a hub id that is not in the local cache (or cannot be downloaded)
-            if Path(path).is_dir():
-                raise
-            raise FileNotFoundError(
-                f"CORE artifact {str(path)!r}: no such folder, and no hub model of that id could be loaded "
-                f"(local_files_only={kwargs['local_files_only']}): {str(e).splitlines()[0]}"
-            ) from e
-        if core.config.artifact_version != ARTIFACT_VERSION:
-            raise ValueError(f"{path}: artifact v{core.config.artifact_version}, this code reads v{ARTIFACT_VERSION}")
-        differ = spec_differences(core.config.feature_spec)
-        if differ:  # other version, names or constants: the press would compute other features than it learned on
-            raise ValueError(
-                f"{path}: trained with {differ}; this code computes feature specs {sorted(FEATURE_SPECS)} with "
-                "their recorded constants; retrain with `accelerate launch train.py`"
-            )
-        if base_model is not None:
-            core.check_base_model(base_model)
-        core.memory.float()  # stored in config.memory_dtype, computed in float32
-        return core.eval()
-
-    def policy(self) -> InferencePolicy:
-        """The recorded inference policy (when none is recorded: the paper's press for every ratio, without the memory
-        if it was never trained)."""
-        if self.config.inference_policy is None:
-            if self.config.memory_trained:
-                return InferencePolicy.single(PAPER, validation={"note": "no policy recorded: the paper's press"})
-            note = "no policy recorded, no trained memory: the paper's scorer without the memory"
-            return InferencePolicy.single(PolicyOptions(memory=False), validation={"note": note})
-        where = f"{self.config.name_or_path}/config.json: inference_policy" if self.config.name_or_path else None
-        policy = InferencePolicy.from_dict(self.config.inference_policy, where or "inference_policy")
-        policy.check_layers(self.config.num_layers, where or "inference_policy")
-        return policy
-
-    def num_parameters_by_part(self) -> dict:
-        return {
-            "indexer": sum(p.numel() for p in self.indexer.parameters()),
-            "memory": sum(p.numel() for p in self.memory.parameters()),
-        }
+def register_artifact(model_class: type[ArtifactModel]) -> type[ArtifactModel]:
+    """Register an artifact class under its config's ``model_type`` (a plugin calls this when imported)."""
+    ARTIFACTS[model_class.config_class.model_type] = model_class
+    return model_class
 
 
-def check_artifact(path: Path) -> None:
-    """Raise ``ValueError`` naming the file when an artifact folder's config or tensors are unusable."""
-    cfg_file, weights = path / "config.json", path / "model.safetensors"
+register_artifact(CoreModel)
+
+
+def kind_error(path: Path, model_type, plugin=None, expected: str = CoreConfig.model_type) -> str:
+    """Why the folder ``path`` (of config.json ``model_type``, defined by the module ``plugin`` if recorded) is not
+    an artifact of ``expected``: another registered kind, a plugin's kind whose module is not imported, or no CORE
+    artifact at all."""
+    if model_type in ARTIFACTS:
+        cls = ARTIFACTS[model_type]
+        return (f"{path} is a {model_type!r} artifact ({cls.__module__}.{cls.__name__}), not a {expected!r} one: load "
+                f"it with its own class or press (core_kv.core_model.load_artifact picks the class)")  # fmt: skip
+    if plugin:
+        return (f"{path}: config.json model_type {model_type!r} is defined by the plugin module {plugin!r}, which is "
+                f"not imported: `import {plugin}` first (in a train or eval config: plugins: [{plugin}])")  # fmt: skip
+    return (f"{path} is not a CORE artifact (config.json model_type {model_type!r}; registered kinds "
+            f"{sorted(ARTIFACTS)}): a base model folder? CORE artifacts are the final/ folders train.py writes")  # fmt: skip
+
+
+def _stored_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(
             f"{path} is not a CORE artifact folder: no config.json (expected config.json + model.safetensors)"
@@ -353,22 +277,46 @@ def check_artifact(path: Path) -> None:
         raise ValueError(f"{cfg_file}: unreadable CORE config ({e})") from None
     if not isinstance(stored, dict):
         raise ValueError(f"{cfg_file}: not a CORE config (a JSON object), got a {type(stored).__name__}")
+    return stored
+
+
+def artifact_config(path) -> PretrainedConfig:
+    """The config of the artifact folder ``path``, read with the config class its ``model_type`` names."""
+    stored = _stored_config(Path(path))
+    cls = ARTIFACTS.get(stored.get("model_type"))
+    if cls is None:
+        raise ValueError(kind_error(Path(path), stored.get("model_type"), stored.get("plugin"), "registered"))
+    return cls.config_class.from_pretrained(path, local_files_only=True)
+
+
+def load_artifact(path, **kwargs) -> ArtifactModel:
+    """Load the artifact folder ``path`` with the class its ``config.json`` ``model_type`` names (:data:`ARTIFACTS`);
+    ``kwargs`` as :meth:`ArtifactModel.from_pretrained`. An unregistered kind is refused naming the module to import."""
+    stored = _stored_config(Path(path))
+    cls = ARTIFACTS.get(stored.get("model_type"))
+    if cls is None:
+        raise ValueError(kind_error(Path(path), stored.get("model_type"), stored.get("plugin"), "registered"))
+    return cls.from_pretrained(path, **kwargs)
+
+
+def check_artifact(path: Path, model_class: type[ArtifactModel] = CoreModel) -> None:
+    """Raise ``ValueError`` naming the file when an artifact folder's config or tensors are unusable for
+    ``model_class``."""
+    cfg_file, weights = path / "config.json", path / "model.safetensors"
+    stored = _stored_config(path)
+    config_class = model_class.config_class
     model_type = stored.get("model_type")
-    if model_type != CoreConfig.model_type:
-        raise ValueError(
-            f"{path} is not a CORE artifact (config.json model_type {model_type!r}, expected 'core_kv'): a base "
-            "model folder? CORE artifacts are the final/ folders train.py writes"
-        )
+    if model_type != config_class.model_type:
+        raise ValueError(kind_error(path, model_type, stored.get("plugin"), config_class.model_type))
     if not isinstance(stored.get("feature_spec"), dict) or "version" not in stored["feature_spec"]:
-        # CoreConfig would default it to the current spec, and the press would compute features it never learned on
+        # the config would default it to the current spec, and the press would compute features it never learned on
         raise ValueError(f"{cfg_file}: no feature_spec field with a version (got {stored.get('feature_spec')!r}); every "
                          "artifact train.py writes records it (a v1 artifact too): a damaged or hand-made config")  # fmt: skip
     try:
-        config = CoreConfig.from_pretrained(path, local_files_only=True)
+        config = config_class.from_pretrained(path, local_files_only=True)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{cfg_file}: invalid CORE config ({e})") from e
-    for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_z", "num_prototypes", "memory_dim",
-                 "chunk_size", "protected_sinks", "protected_recent"):  # fmt: skip
+    for name in config_class.sizes:
         v, low = getattr(config, name, None), 0 if name.startswith("protected") else 1
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{cfg_file}: {name} must be an integer >= {low}, got {v!r}")
@@ -380,7 +328,7 @@ def check_artifact(path: Path) -> None:
     if not weights.is_file():
         return  # a sharded or hub layout: transformers reports what is missing
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in CoreModel(config).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in model_class(config).state_dict().items()}
     from safetensors import safe_open
 
     try:
@@ -405,4 +353,5 @@ def check_artifact(path: Path) -> None:
         )
 
 
-__all__ = ["ARTIFACT_VERSION", "CoreConfig", "CoreModel", "FingerprintMismatch", "check_artifact"]
+__all__ = ["ARTIFACTS", "ARTIFACT_VERSION", "ArtifactModel", "CoreConfig", "CoreModel", "FingerprintMismatch",
+           "artifact_config", "check_artifact", "load_artifact", "register_artifact"]  # fmt: skip

@@ -32,10 +32,8 @@ over the event's candidates:
 | 7  | key_distinct  | −cos(k_i, mean_j k̂_j), k̂ = k/‖k‖ (KeyDiff's score, Park et al. 2025)                      |
 | 8  | twin_rarity   | log((N+1)/(c_i+1)), c_i = #{j : |i−j| > 32, k̂_i·k̂_j > 0.85} (TwinKV's frequency term, paper 000 §3.2) |
 
-**Spec v3** is the CORE authors' released feature set (6 query–key statistics over all the event's queries, 4
-coverage, 4 auxiliary; one vector per token per layer, shared by the KV heads): :mod:`core_kv.features_v3`. It is
-registered here with its constants so artifacts record and check it like v1/v2; it is computed only by the released
-(online) recipe, never from teacher-dataset records.
+Spec v3, the CORE authors' released feature set (one vector per token per layer, shared by the KV heads), is a
+research line outside this package: ``research/released/features.py``, recorded by its own artifact class.
 
 Changing any definition must add a version to :data:`FEATURE_SPECS`: teacher datasets and indexer checkpoints record
 theirs, and every recorded version stays computable, so artifacts trained on an older spec keep loading.
@@ -54,7 +52,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from core_kv import features_v3
 from core_kv.files import atomic_write
 from core_kv.nystrom import leverage, normalised_beta_b
 
@@ -79,9 +76,7 @@ NUM_FEATURES = len(FEATURE_NAMES)
 FEATURE_SPECS = {  # version -> names; every version keeps NUM_FEATURES columns (the indexer's input width)
     1: FEATURE_NAMES,
     2: FEATURE_NAMES[:7] + ("key_distinct", "twin_rarity") + FEATURE_NAMES[9:],
-    3: features_v3.FEATURE_NAMES_V3,  # the released features (core_kv.features_v3), head-shared
 }
-SHARED_SPECS = (3,)  # specs whose features (and so scores) are one per token per layer, shared by the KV heads
 TWIN_LOCAL = 32  # TwinKV's nonlocal band and similarity threshold (paper 000 §3.2), for twin_rarity
 TWIN_THRESHOLD = 0.85
 OBS_WINDOW = 32
@@ -105,19 +100,7 @@ def feature_names(version: int = FEATURE_SPEC_VERSION) -> tuple[str, ...]:
 
 def spec(version: int = FEATURE_SPEC_VERSION) -> dict:
     """The feature specification recorded beside every dataset and checkpoint that uses these features."""
-    if check_version(version) == 3:
-        return {
-            "version": 3,
-            "names": list(FEATURE_SPECS[3]),
-            "scores": "shared",
-            "top_heads": features_v3.TOP_HEADS,
-            "recent_queries": features_v3.RECENT_QUERIES,
-            "query_block": features_v3.QUERY_BLOCK,
-            "top_fraction": features_v3.TOP_FRACTION,
-            "advantage_floor": "log(1e-8)",
-            "shrinkage": features_v3.SHRINKAGE,
-            "sink_tokens": features_v3.SINK_TOKENS,
-        }
+    check_version(version)
     out = {
         "version": version,
         "names": list(FEATURE_SPECS[version]),
@@ -293,9 +276,7 @@ def compute_features(
     phi32 = phi.float()
     novelty = leverage(torch.full((hkv, n), 1.0 / n, device=phi.device), phi32, normalised_beta_b(phi32))
     q_bar = obs_queries.float().mean(1, keepdim=True)  # (Hkv, 1, D)
-    if check_version(version) == 3:
-        raise ValueError("feature spec v3 is computed by core_kv.features_v3.compute_features_v3 (recipe=released)")
-    if version == 2:
+    if check_version(version) == 2:
         if keys_post is None:
             raise ValueError("feature spec v2 needs the post-RoPE candidate keys (keys_post)")
         flags = [key_distinctiveness(keys_post), twin_rarity(keys_post, pos)]

@@ -45,7 +45,6 @@ class CoreIndexer(nn.Module):
         self.register_buffer("temperature", torch.ones(num_layers))  # fitted by calibration (stage 3)
         self.register_buffer("feature_mean", torch.zeros(num_layers, num_kv_heads, NUM_FEATURES))
         self.register_buffer("feature_std", torch.ones(num_layers, num_kv_heads, NUM_FEATURES))
-        self.ablated: list[int] = []  # feature indices zeroed at the input (CoreConfig.ablated_features; not stored)
 
     def set_feature_stats(self, stats: FeatureStats) -> None:
         if stats.mean.shape != self.feature_mean.shape:
@@ -63,16 +62,9 @@ class CoreIndexer(nn.Module):
             mu, sd = mu[heads], sd[heads]
         return (features.float() - mu[:, None]) / sd[:, None]
 
-    def ablate(self, indices: list[int]) -> None:
-        """Zero the standardised features ``indices`` at the indexer's input, in training and at inference alike (a
-        one-choice ablation: the MLP never sees them)."""
-        self.ablated = sorted(int(i) for i in indices)
-
     def scores(self, layer: int, features: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``s`` (Hkv, N) from raw (un-standardised) features (Hkv, N, F), ablated features zeroed."""
+        """Logits ``s`` (Hkv, N) from raw (un-standardised) features (Hkv, N, F)."""
         x = self.standardize(layer, features, heads)
-        if self.ablated:
-            x = x.index_fill(-1, torch.tensor(self.ablated, device=x.device), 0.0)
         bias = self.head_bias[layer] if heads is None else self.head_bias[layer, heads]
         return self.layers[layer](x).squeeze(-1) + bias[:, None]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from core_kv.distill.report import next_steps
+from core_kv.distill.trainer import recipe
 from core_kv.distill.trainer import train as distill
 from core_kv.eval.policy_stage import policy_markdown, run_policy_stage
 from core_kv.files import atomic_write_json, atomic_write_text, read_json
@@ -46,7 +47,8 @@ def choose_policy(cfg, summary: dict) -> dict:
               "policy (the paper's press)", flush=True)  # fmt: skip
         return summary
     print(f"[policy] choosing the inference policy on validation prompts ({out / 'stages' / 'policy'})", flush=True)
-    run_policy_stage(cfg.policy, artifact, model, tok, out / "stages" / "policy", progress=cfg.progress)
+    run_policy_stage(cfg.policy, artifact, model, tok, out / "stages" / "policy", progress=cfg.progress,
+                     candidate=recipe(cfg.recipe).policy_candidate)  # fmt: skip
     cfg_file = artifact / "config.json"  # what is printed and reported is what the artifact holds
     policy = InferencePolicy.from_dict(
         read_json(cfg_file, "CORE config").get("inference_policy"), f"{cfg_file}: inference_policy"

@@ -26,9 +26,9 @@ FLOORS: list[tuple[str, ...]] = [
         "core_kv.models",
     ),
     ("core_kv.proxy",),  # the proxy LM's tokenizer, data and trainer: the teacher makes its documents with them
-    ("core_kv.features", "core_kv.features_v3", "core_kv.key_geometry"),
+    ("core_kv.features",),
     ("core_kv.teacher",),
-    ("core_kv.memory", "core_kv.fast_memory", "core_kv.indexer", "core_kv.core_model", "core_kv.policy"),
+    ("core_kv.memory", "core_kv.indexer", "core_kv.core_model", "core_kv.policy"),
     ("core_kv.distill",),
     ("core_kv.presses", "core_kv.pipeline"),
     ("core_kv.eval",),
@@ -122,8 +122,7 @@ def test_no_import_cycles_at_module_level():
 # What inference loads (the artifact, the presses, the pipeline) never reaches into the offline stages: the teacher,
 # distillation and the proxy LM's trainer.
 INFERENCE = ("core_kv.presses", "core_kv.pipeline", "core_kv.core_model", "core_kv.indexer", "core_kv.memory",
-             "core_kv.fast_memory", "core_kv.geometry", "core_kv.key_geometry", "core_kv.features",
-             "core_kv.budget")  # fmt: skip
+             "core_kv.geometry", "core_kv.features", "core_kv.budget")  # fmt: skip
 OFFLINE = ("core_kv.teacher", "core_kv.distill", "core_kv.proxy")
 
 
@@ -131,6 +130,23 @@ OFFLINE = ("core_kv.teacher", "core_kv.distill", "core_kv.proxy")
 def test_inference_imports_no_offline_stage(name):
     bad = [f"line {line}: {t}" for line, t in imports(MODULES[name]) if t.startswith(OFFLINE)]
     assert not bad, f"{name} is on the inference path but imports an offline stage: {bad}"
+
+
+def test_the_product_imports_no_research():
+    """``research/`` (the released recipe among them) stands on the product and registers into it
+    (``register_artifact``, ``register_recipe``, press classes); the product never imports it."""
+    bad = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""]
+            else:
+                continue
+            if any(m.split(".")[0] == "research" for m in mods):
+                bad.append(f"{name}:{node.lineno}")
+    assert not bad, f"product modules import research/: {bad}"
 
 
 def test_the_checker_sees_a_type_checking_import(tmp_path):

@@ -7,14 +7,12 @@ CPU cores including the teacher data. Batch arithmetic: documents per optimizer 
 
 from __future__ import annotations
 
-import math
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from core_kv.config import ConfigError, check_on_init, folder, non_empty, option
 from core_kv.distill.replay import SELECTIONS
-from core_kv.features_v3 import ablated_names
 from core_kv.memory import WRITE_RULES
 from core_kv.policy import PolicyStageConfig
 from core_kv.teacher.config import DataSpec, ModelSpec, TeacherConfig
@@ -111,152 +109,6 @@ class MemoryStage:
     gate_lr: float | None = option(5.0e-2, gt=0)
 
 
-RECIPES = ("replay", "released")
-
-
-def _feature_entries(value: list[str]) -> str | None:
-    """An :func:`option` check: feature names or groups of spec v3."""
-    try:
-        ablated_names(list(value))
-    except ValueError as e:
-        return f"feature names of spec v3 or the groups qk / coverage / auxiliary ({e})"
-    return None
-
-
-@dataclass
-class OnlineConfig:
-    """The released recipe (``recipe: released``): the CORE authors' design as options whose defaults are theirs.
-
-    Source: GitHub ``zhutizi23-coder/CORE`` ``core/config.py`` defaults (``core/train.py``, ``core/collector.py``,
-    ``core/teacher.py``, ``core/indexer.py``); ``docs/method.md`` "The released recipe" lists what we keep different.
-    Feature spec v3 (:mod:`core_kv.features_v3`), the fixed key geometry (:mod:`core_kv.key_geometry`), the DRIVE
-    teacher (:mod:`core_kv.teacher.drive`), head-shared scores and the fast memory (:mod:`core_kv.fast_memory`) are
-    what the recipe means; the options below are their constants and the schedule. Micro-batches per optimizer step
-    are :attr:`TrainConfig.grad_accum` (the release: 4 sequential micro-batches, ``online_batch_size``).
-
-    Args:
-        geometry_seed: Seed of the fixed projection, prototypes and rotation.
-        geometry: ``drawn`` (the release: fixed random maps) or ``fitted`` (projection by PCA and prototypes by
-            spherical k-means on the keys of the first ``geometry_docs`` training documents,
-            :meth:`~core_kv.key_geometry.KeyGeometry.fit`; the one-choice ablation of core_kv's fitted geometry).
-        geometry_docs: Calibration documents of the fitted geometry (``short_len`` tokens each).
-        d_z, num_prototypes: Projected key width and prototype count (64, 64).
-        drive_beta, drive_alpha, drive_tau, drive_steps, teacher_temperature: The DRIVE teacher (128, 1, 8, 8, 1).
-        student_temperature: τ_m: the student's distribution is ``softmax(s / τ_m)`` (KL, hinge margin, memory writes).
-        sinks: Protected first tokens, kept inside the budget and left out of the KL and the boundary ranking.
-        lambda_cal, lambda_bd: Weights of the KL and of the boundary hinge (1, 4).
-        boundary_delta, boundary_margin: Teacher ranks on each side of the cut (32) and the hinge margin (0.5).
-        budgets: Compression ratios supervised by the boundary hinge (0.25, 0.5, 0.75, 0.9).
-        all_budgets: Supervise every one of ``budgets`` at every step (the release); false: only the step's ratio,
-            drawn from them.
-        memory: Train the fast memory in the joint stage (False: indexer-only for all steps).
-        memory_dim, memory_gate_hidden, memory_decay, memory_tail, lambda_mem: The memory (512, 64, 0.9; MSE on the
-            last 16 queries; weight 1).
-        memory_dtype: How the artifact stores the memory's weights (``float32``; ``float16`` halves the file).
-        memory_readout: ``residual`` (the release: ``o_R + g m``) or ``interpolate`` (the paper's ``o_R + g (m − o_R)``,
-            exact with ``m = o_E``, ``g = α_E``; :mod:`core_kv.fast_memory`).
-        memory_kernel: ``released`` (the release's signed kernel ``(θq)·(θk)`` over ``sqrt((θq)²·b)``) or
-            ``positive`` (``φ = elu(θ·) + 1``, normalised by its mass: a convex combination of the evicted values).
-        memory_gate_weight: μ_g of a gate term ``μ_g · BCE(g(q), α_E(q))`` added to each layer's memory loss, with
-            ``α_E`` the evicted share of the query's full-cache attention (mean over query heads). 0: the release
-            (the gate learns from the output error alone). Not in the release: our CPU-scaled recipe's gate closes
-            within its first joint steps without it (``docs/method.md`` "The released recipe").
-        ablate_features: Features the indexer never sees, for one-choice ablations: names of
-            :data:`~core_kv.features_v3.FEATURE_NAMES_V3` or groups ``qk`` / ``coverage`` / ``auxiliary``; zeroed at
-            the indexer's input in training and, from the artifact's config, at inference. Empty: the release.
-        total_steps: Optimizer steps of the whole WSD schedule (both stages).
-        indexer_steps: Indexer-only steps before the joint stage (1000 of 5400).
-        warmup, stable, decay: WSD phases in optimizer steps (100 / 3100 / 2200).
-        lr_peak, lr_final: Peak learning rate and the end of the cosine decay (5e-4, 7.5e-6).
-        joint_indexer_lr_scale, joint_memory_lr_scale: Learning-rate multipliers in the joint stage (0.1, 1).
-        weight_decay, grad_clip: AdamW weight decay (torch's default 0.01) and the gradient-norm clip (1.0).
-        short_len, long_len, long_every: Training sequence lengths: ``long_len`` every ``long_every`` optimizer
-            steps, ``short_len`` otherwise (2048, 4096, 8).
-        decode_every, decode_window, decode_weight: A decode-window batch (the last 128 prefix queries as the event's
-            queries, phase 1) every 4 optimizer steps, loss weight 1 (0 disables).
-    """
-
-    geometry_seed: int = option(42, ge=0)
-    geometry: str = option("drawn", choices=("drawn", "fitted"))
-    geometry_docs: int = option(8, gt=0)
-    d_z: int = option(64, gt=0)
-    num_prototypes: int = option(64, gt=0)
-    drive_beta: float = option(128.0, ge=0)
-    drive_alpha: float = option(1.0, gt=0)
-    drive_tau: float = option(8.0, gt=0)
-    drive_steps: int = option(8, gt=0)
-    teacher_temperature: float = option(1.0, gt=0)
-    student_temperature: float = option(1.0, gt=0)
-    sinks: int = option(4, ge=0)
-    lambda_cal: float = option(1.0, ge=0)
-    lambda_bd: float = option(4.0, ge=0)
-    boundary_delta: int = option(32, gt=0)
-    boundary_margin: float = option(0.5, ge=0)
-    budgets: list[float] = option(factory=lambda: [0.25, 0.5, 0.75, 0.9], gt=0, lt=1, check=non_empty)
-    all_budgets: bool = True
-    memory: bool = True
-    memory_dim: int = option(512, gt=0)
-    memory_gate_hidden: int = option(64, gt=0)
-    memory_decay: float = option(0.9, ge=0, le=1)
-    memory_tail: int = option(16, gt=0)
-    lambda_mem: float = option(1.0, ge=0)
-    memory_dtype: str = option("float32", choices=("float32", "float16", "bfloat16"))
-    memory_readout: str = option("residual", choices=("residual", "interpolate"))
-    memory_kernel: str = option("released", choices=("released", "positive"))
-    memory_gate_weight: float = option(0.0, ge=0)
-    ablate_features: list[str] = option(factory=list, check=_feature_entries)
-    total_steps: int = option(5400, gt=0)
-    indexer_steps: int = option(1000, ge=0)
-    warmup: int = option(100, ge=0)
-    stable: int = option(3100, ge=0)
-    decay: int = option(2200, ge=0)
-    lr_peak: float = option(5.0e-4, gt=0)
-    lr_final: float = option(7.5e-6, ge=0)
-    joint_indexer_lr_scale: float = option(0.1, gt=0)
-    joint_memory_lr_scale: float = option(1.0, gt=0)
-    weight_decay: float = option(0.01, ge=0)
-    grad_clip: float = option(1.0, ge=0)
-    short_len: int = option(2048, gt=0)
-    long_len: int = option(4096, gt=0)
-    long_every: int = option(8, ge=0)
-    decode_every: int = option(4, ge=0)
-    decode_window: int = option(128, gt=0)
-    decode_weight: float = option(1.0, ge=0)
-
-    def check(self, prefix: str = "online.") -> None:
-        if self.indexer_steps > self.total_steps:
-            raise ConfigError(f"{prefix}indexer_steps ({self.indexer_steps}) exceeds {prefix}total_steps "
-                              f"({self.total_steps})")  # fmt: skip
-        if self.warmup + self.stable + self.decay < 1:
-            raise ConfigError(f"{prefix}warmup + stable + decay must be >= 1 (the WSD schedule)")
-        if self.lr_final > self.lr_peak:
-            raise ConfigError(f"{prefix}lr_final ({self.lr_final}) exceeds {prefix}lr_peak ({self.lr_peak})")
-
-    def lr_at(self, step: int) -> float:
-        """The WSD learning rate after ``step`` optimizer steps of the whole schedule: linear warm-up from 0, constant
-        ``lr_peak``, cosine decay to ``lr_final`` (held there after the schedule's end)."""
-        if step < self.warmup:
-            return self.lr_peak * step / max(1, self.warmup)
-        if step < self.warmup + self.stable:
-            return self.lr_peak
-        d = min(1.0, max(0.0, (step - self.warmup - self.stable) / max(1, self.decay)))
-        ratio = self.lr_final / self.lr_peak
-        return self.lr_peak * (ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * d)))
-
-    def seq_len(self, step: int) -> int:
-        """The training length at global optimizer step ``step`` (1-based, as the release counts)."""
-        return self.long_len if self.long_every > 0 and step % self.long_every == 0 else self.short_len
-
-    def decode_at(self, step: int) -> bool:
-        """Whether global optimizer step ``step`` (1-based) carries a decode-window batch."""
-        return self.decode_every > 0 and step % self.decode_every == 0
-
-    def ratio_at(self, seed: int, step: int) -> float:
-        """The step's compression ratio (memory partition; the boundary budget without ``all_budgets``): one of
-        ``budgets``, drawn by a generator seeded with ``seed`` and the global step (the same on resume)."""
-        return self.budgets[random.Random(seed * 1_000_003 + step).randrange(len(self.budgets))]
-
-
 @dataclass
 class TrainConfig:
     """Everything ``train(cfg)`` depends on.
@@ -294,10 +146,11 @@ class TrainConfig:
         wandb_mode: ``offline`` (no login; ``wandb sync`` later), ``online`` or ``disabled``.
         progress: show progress bars.
         threads: torch intra-op threads per process (0 = leave torch's setting; 1 is fastest on a shared CPU).
-        recipe: ``replay`` (the teacher dataset, on-policy replay, calibration and latent-memory stages of
-            CORE.md) or ``released`` (the CORE authors' design: online distillation with the frozen model in the loop,
-            :class:`OnlineConfig`).
-        online: The released recipe's options (read only when ``recipe: released``).
+        plugins: Modules imported before the rest of the config is read (``train.py``,
+            :func:`~core_kv.distill.trainer.train_schema`); a plugin registers its recipes (e.g. ``research.released``
+            registers ``released``, whose config adds its own section).
+        recipe: ``replay``: the teacher dataset, on-policy replay, calibration and latent-memory stages of CORE.md;
+            another name is a plugin's recipe (:data:`~core_kv.distill.trainer.RECIPES`).
         policy: The last stage: the inference policy chosen on the pipeline's own validation prompts and recorded in
             the artifact (:class:`~core_kv.policy.PolicyStageConfig`; ``policy.enabled=false`` skips it).
     """
@@ -328,14 +181,22 @@ class TrainConfig:
     wandb_mode: str = option("offline", choices=("offline", "online", "disabled"))
     progress: bool = True
     threads: int = option(0, ge=0)  # >0: torch.set_num_threads (0 = leave it)
-    recipe: str = option("replay", choices=RECIPES)
-    online: OnlineConfig = field(default_factory=OnlineConfig)
+    plugins: list[str] = option(factory=list)
+    recipe: str = "replay"
     policy: PolicyStageConfig = field(default_factory=PolicyStageConfig)
 
     def __post_init__(self) -> None:
         check_on_init(self)  # every stage's options, before the first stage runs
 
+    recipe_name: ClassVar[str] = "replay"  # the recipe this schema describes (a plugin's subclass sets its own)
+
     def check(self, prefix: str = "") -> None:
+        if self.recipe != self.recipe_name:
+            raise ConfigError(
+                f"{prefix}recipe: {self.recipe!r} is not the recipe of this config schema ({type(self).__name__}: "
+                f"{self.recipe_name!r}); a plugin recipe is enabled by listing its module in plugins, which train.py "
+                "imports before reading the rest of the config (e.g. `plugins: [research.released]`)"
+            )
         if Path(self.out_dir).resolve() == Path(self.teacher.out_dir).resolve():
             raise ConfigError(
                 f"{prefix}teacher.out_dir must differ from {prefix}out_dir (both are {self.out_dir!r}): the teacher "

@@ -34,6 +34,7 @@ calibration, memory), :mod:`~core_kv.distill.evaluate` (held-out evaluation), :m
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -48,6 +49,7 @@ import torch
 
 from core_kv.config import ConfigError, to_dict
 from core_kv.core_model import CoreConfig, CoreModel
+from core_kv.distill.config import TrainConfig
 from core_kv.distill.context import RunContext
 from core_kv.distill.evaluate import evaluate
 from core_kv.distill.loop import Interrupted
@@ -62,7 +64,7 @@ from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, conf
 from core_kv.teacher.docs import load_model
 from core_kv.teacher.run import run_teacher
 
-__all__ = ["STAGES", "Interrupted", "Trainer", "train"]
+__all__ = ["RECIPES", "STAGES", "Interrupted", "Trainer", "recipe", "register_recipe", "train", "train_schema"]
 
 STAGES = ("indexer_warmup", "indexer", "calibration", "memory")  # in order; each depends on the ones before it
 # Options added after artifacts were shipped: left out of the run and stage hashes while at these defaults, so
@@ -73,9 +75,9 @@ LATER_DEFAULTS = {("indexer", "cascade"): False, ("teacher", "features"): 1}
 def _hashed(cfg) -> dict:
     """``to_dict(cfg)`` without the :data:`LATER_DEFAULTS` options that are at their default."""
     d = to_dict(cfg)
-    if d.get("recipe", "replay") == "replay":  # added with the released recipe; unread by the replay recipe
+    d.pop("plugins", None)  # which modules were imported, not what is trained
+    if d.get("recipe", "replay") == "replay":  # added after artifacts were shipped; the replay recipe's hashes omit it
         d.pop("recipe", None)
-        d.pop("online", None)
     for (section, name), default in LATER_DEFAULTS.items():
         if d[section].get(name, default) == default:
             d[section].pop(name, None)
@@ -105,12 +107,21 @@ class Trainer(RunContext):
     """Sets a run up (base model, teacher data, CORE model, W&B) and decides what a rerun keeps; the stages of
     :mod:`~core_kv.distill.stages` read the shared objects through :class:`~core_kv.distill.context.RunContext`.
 
+    The ``replay`` recipe. Another recipe subclasses it (its own ``config_class``, :meth:`setup`, :meth:`stage_keys`,
+    :meth:`run_stages` and reports) and is registered with :func:`register_recipe` (:data:`RECIPES`).
+
     Attributes:
+        config_class: The recipe's config schema (``TrainConfig`` or a subclass adding the recipe's own section).
+        policy_candidate: How the policy stage builds a candidate composition on this recipe's artifact,
+            ``(artifact, ratio, options) -> press or None`` (``None``: the candidate does not apply); ``None``:
+            CORE's own composition (:func:`~core_kv.presses.core.compose`).
         unread: The options (dotted names) this recipe never reads; :func:`check_unread` refuses a run that sets one.
     """
 
     stages = STAGES
-    unread: tuple[str, ...] = ("online",)
+    config_class = TrainConfig
+    policy_candidate = None
+    unread: tuple[str, ...] = ()
 
     def __init__(self, cfg):
         out = Path(cfg.out_dir)
@@ -241,13 +252,18 @@ class Trainer(RunContext):
             t, features=self.ds.manifest["feature_spec"]["version"], selection=cfg.selection
         )
         self.autocast = acc.autocast() if acc.mixed_precision != "no" else None
+        self.start_trackers()
+
+    def start_trackers(self) -> None:
+        """W&B through ``accelerator.init_trackers`` when ``wandb`` is on (the end of :meth:`setup`)."""
+        cfg = self.cfg
         if cfg.wandb:
             # mode/dir passed explicitly: wandb caches its settings process-wide at first import, so an earlier
             # WANDB_MODE would otherwise win over this run's
             wandb_kwargs = {"mode": os.environ.get("WANDB_MODE", cfg.wandb_mode)}
             if os.environ.get("WANDB_DIR"):
                 wandb_kwargs["dir"] = os.environ["WANDB_DIR"]
-            acc.init_trackers(cfg.wandb_project, config=to_dict(cfg), init_kwargs={"wandb": wandb_kwargs})
+            self.acc.init_trackers(cfg.wandb_project, config=to_dict(cfg), init_kwargs={"wandb": wandb_kwargs})
 
     def save_final(self, summary: dict) -> Path:
         cfg, acc = self.cfg, self.acc
@@ -271,9 +287,39 @@ class Trainer(RunContext):
 
             atomic_write_text(self.out / "config.yaml", OmegaConf.to_yaml(to_dict(cfg)))
             atomic_write_json(self.out / "summary.json", summary)
-            atomic_write_text(self.out / "report.md", distill_report_markdown(summary))
+            atomic_write_text(self.out / "report.md", self.report_markdown(summary))
         acc.wait_for_everyone()
         return final
+
+    def run_stages(self, t0: float) -> dict:
+        """Train every stage (each resumable), evaluate, and return the run's summary (the caller writes the
+        artifact)."""
+        cfg = self.cfg
+        train_indexer(self)
+        calib = calibrate(self)
+        train_memory(self)
+        ev = evaluate(self)
+        return {
+            "eval": ev,
+            "calibration": calib,
+            "timing": timing(self.timers),
+            "teacher_table7": _teacher_table7(self.ds),
+            "parameters": self.core.num_parameters_by_part(),
+            "memory_state_bytes": self.core.memory.state_bytes(),
+            "num_processes": self.acc.num_processes,
+            "distributed_type": str(self.acc.distributed_type),
+            "docs_per_step": cfg.micro_batch * cfg.grad_accum * self.acc.num_processes,
+            "artifact": str(self.out / "final"),
+            "wall_s": time.perf_counter() - t0,
+        }
+
+    def format_summary(self, summary: dict) -> str:
+        """The console summary of a finished run."""
+        return format_summary(summary)
+
+    def report_markdown(self, summary: dict) -> str:
+        """``<out_dir>/report.md``."""
+        return distill_report_markdown(summary)
 
     def close(self) -> None:
         if self.cfg.wandb:
@@ -294,12 +340,12 @@ def train(cfg, then: Callable[[dict], dict] | None = None) -> dict:
     stops the run early.
     """
     t0 = time.perf_counter()
-    if cfg.recipe == "released":
-        from core_kv.distill.online import ReleasedTrainer as recipe
-    else:
-        recipe = Trainer
-    check_unread(cfg, recipe.unread)
-    tr = recipe(cfg)
+    trainer = recipe(cfg.recipe)
+    if not isinstance(cfg, trainer.config_class):
+        raise ConfigError(f"recipe {cfg.recipe!r} trains from a {trainer.config_class.__name__}, got a "
+                          f"{type(cfg).__name__}: load the config with train_schema (train.py does)")  # fmt: skip
+    check_unread(cfg, trainer.unread)
+    tr = trainer(cfg)
     with ExitStack() as locked:
         try:
             locked.enter_context(main_process_lock(cfg.out_dir, "training run", tr.acc))  # one writer per run folder
@@ -343,7 +389,7 @@ def _train(tr: Trainer, t0: float) -> dict:
         if not cfg.overwrite:
             summary = read_json(tr.out / "summary.json", "run summary")
             tr.print(f"{final} exists for this base model and config (overwrite=true to retrain)")
-            tr.print(format_summary(summary))
+            tr.print(tr.format_summary(summary))
             return summary
     if final.exists() and not same_run and not cfg.overwrite:
         raise ValueError(
@@ -368,32 +414,9 @@ def _train(tr: Trainer, t0: float) -> dict:
         atomic_write_json(key_path, key)
     tr.acc.wait_for_everyone()
     tr.setup()
-    if cfg.recipe == "released":
-        from core_kv.distill.online import released_summary
-
-        summary = released_summary(tr, t0) | {"artifact": str(final)}
-        tr.save_final(summary)
-        tr.print(format_summary(summary))
-        return summary
-    train_indexer(tr)
-    calib = calibrate(tr)
-    train_memory(tr)
-    ev = evaluate(tr)
-    summary = {
-        "eval": ev,
-        "calibration": calib,
-        "timing": timing(tr.timers),
-        "teacher_table7": _teacher_table7(tr.ds),
-        "parameters": tr.core.num_parameters_by_part(),
-        "memory_state_bytes": tr.core.memory.state_bytes(),
-        "num_processes": tr.acc.num_processes,
-        "distributed_type": str(tr.acc.distributed_type),
-        "docs_per_step": cfg.micro_batch * cfg.grad_accum * tr.acc.num_processes,
-        "artifact": str(final),
-        "wall_s": time.perf_counter() - t0,
-    }
+    summary = tr.run_stages(t0)
     tr.save_final(summary)
-    tr.print(format_summary(summary))
+    tr.print(tr.format_summary(summary))
     return summary
 
 
@@ -414,3 +437,38 @@ def _teacher_table7(ds: TeacherDataset) -> dict | None:
         metrics = read_json(path, "teacher metrics")
         return metrics.get("table7") if isinstance(metrics, dict) else None
     return None
+
+
+RECIPES: dict[str, type[Trainer]] = {"replay": Trainer}  # recipe name -> its trainer (register_recipe)
+
+
+def register_recipe(name: str, trainer: type[Trainer]) -> type[Trainer]:
+    """Make ``recipe: <name>`` train with ``trainer`` (a plugin calls this when imported)."""
+    RECIPES[name] = trainer
+    return trainer
+
+
+def recipe(name: str) -> type[Trainer]:
+    """The trainer of recipe ``name``; an unregistered one is refused naming the option and how to enable it."""
+    if name not in RECIPES:
+        raise ConfigError(
+            f"recipe: {name!r} is not registered (registered: {', '.join(sorted(RECIPES))}); a plugin recipe is "
+            "enabled by listing its module in the train config's plugins, imported before the rest of the config "
+            "is read (e.g. `plugins: [research.released]` for recipe: released)"
+        )
+    return RECIPES[name]
+
+
+def train_schema(raw) -> type[TrainConfig]:
+    """The config schema of a train config's YAML and overrides ``raw`` (a mapping, before it is checked): import
+    its ``plugins`` (each registers its recipes), then the ``recipe``'s ``config_class``
+    (:func:`core_kv.config.load_config`'s ``resolve``)."""
+    plugins = raw.get("plugins") or []
+    if isinstance(plugins, str) or not all(isinstance(p, str) for p in plugins):
+        raise ConfigError(f"plugins must be a list of module names, got {plugins!r}")
+    for module in plugins:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"plugins: cannot import {module!r} ({e}); run from the repository root") from None
+    return recipe(raw.get("recipe") or "replay").config_class

@@ -1,8 +1,8 @@
 """The policy stage: choose a CORE artifact's inference policy on the pipeline's own validation prompts.
 
 ``train.py`` runs it after the artifact is written (``policy.*`` options, :class:`~core_kv.policy.PolicyStageConfig`).
-For a feature spec v3 artifact (the released design) only the candidates with uniform budgets and no repair pass
-apply (memory on or off). For every validation ratio, every candidate composition
+A recipe whose artifact runs another stack (a plugin's, e.g. ``research.released``) passes how to build a candidate
+on it (``candidate``; ``None`` where one does not apply). For every validation ratio, every candidate composition
 (:func:`~core_kv.policy.candidate_grid`: uniform or AdaKV head-wise budgets pooled over ``p`` or ``(p + ε)·‖v‖``,
 with or without TwinKV's repair pass, or one kept set per layer shared by the KV heads; with or without the latent
 memory) compresses the context of every validation prompt (:mod:`core_kv.eval.validation`: own wording, keys,
@@ -25,6 +25,7 @@ import hashlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -32,16 +33,16 @@ import torch
 from tqdm import tqdm
 
 from core_kv.config import to_dict
-from core_kv.core_model import CoreConfig
+from core_kv.core_model import artifact_config
 from core_kv.eval.fidelity import continuation_logprobs
 from core_kv.eval.validation import validation_set
 from core_kv.files import atomic_write_json
 from core_kv.models.loading import check_context_window, check_lengths
 from core_kv.pipeline import encode, prefill
 from core_kv.policy import InferencePolicy, PolicyOptions, PolicyStageConfig, bands_from_choices, complexity
-from core_kv.presses.core import compose, compose_released, released_candidate
+from core_kv.presses.base import BasePress
+from core_kv.presses.core import compose
 from core_kv.presses.core_scorer import CoreScorerPress
-from core_kv.presses.released_scorer import CoreReleasedScorerPress
 
 RULE = "highest accuracy (every answer token top-1 under teacher forcing), then highest mean answer log-prob, then the fewest changes to the paper's press"
 
@@ -93,13 +94,28 @@ def stage_key(cfg: PolicyStageConfig, artifact: Path, prompts) -> dict:
     return {"options": options, "weights": weights, "prompts": text}
 
 
+def core_candidate(artifact: Path, ratio: float, options: PolicyOptions) -> BasePress:
+    """A candidate composition on a CORE artifact (:func:`~core_kv.presses.core.compose` around its scorer)."""
+    return compose(CoreScorerPress(checkpoint=str(artifact), compression_ratio=ratio), options)
+
+
 def run_policy_stage(
-    cfg: PolicyStageConfig, artifact: str | Path, model, tokenizer, work_dir: str | Path, progress: bool = True
+    cfg: PolicyStageConfig,
+    artifact: str | Path,
+    model,
+    tokenizer,
+    work_dir: str | Path,
+    progress: bool = True,
+    candidate: Callable[[Path, float, PolicyOptions], BasePress | None] | None = None,
 ) -> InferencePolicy:
-    """Score every candidate at every ratio, choose, and record the policy in ``artifact``'s ``config.json``."""
+    """Score every candidate at every ratio, choose, and record the policy in ``artifact``'s ``config.json``.
+
+    ``candidate(artifact, ratio, options)`` builds a candidate's press, ``None`` where it does not apply to this
+    artifact (left out; refused when ``cfg.candidates`` names it); default :func:`core_candidate`."""
+    candidate = candidate or core_candidate
     artifact, work = Path(artifact), Path(work_dir)
     t0 = time.perf_counter()
-    config = CoreConfig.from_pretrained(artifact)
+    config = artifact_config(artifact)  # of any registered kind
     check_lengths(model, {"policy.length": cfg.length}, "the base model")  # before building prompts that long
     cfg.check_layers(config.num_layers)
     prompts = validation_set(tokenizer, cfg.tasks, cfg.length, cfg.per_task, cfg.seed)
@@ -112,15 +128,13 @@ def run_policy_stage(
             f.unlink()
     work.mkdir(parents=True, exist_ok=True)
     atomic_write_json(key_file, key)
-    released = bool(config.shared_scores)
     candidates = cfg.candidate_options()
-    if not config.memory_trained:  # online.memory=false: the memory's weights are its initialisation
-        candidates = [c for c in candidates if c.memory_layers is None]
-    if released:  # a spec-v3 artifact: one kept set per layer, so only uniform budgets without the repair pass
-        if cfg.candidates and not all(released_candidate(c) for c in candidates):
-            raise ValueError(f"policy.candidates: {artifact} is a feature spec v3 artifact; its candidates must have "
-                             "head_budgets 'uniform' and repair false")  # fmt: skip
-        candidates = [c for c in candidates if released_candidate(c)]
+    if candidate is not core_candidate:  # a plugin's stack: keep the candidates that apply to its artifact
+        applies = [c for c in candidates if candidate(artifact, cfg.ratios[0], c) is not None]
+        if cfg.candidates and len(applies) < len(candidates):
+            refused = [c.describe() for c in candidates if c not in applies]
+            raise ValueError(f"policy.candidates: {refused} do not apply to {artifact}")
+        candidates = applies
     jobs = [(None, None)] + [(r, c) for r in cfg.ratios for c in candidates]
     bar = tqdm(total=len(jobs) * len(prompts), desc="policy", disable=not progress, unit="prompt")
     scores: dict = {}
@@ -131,14 +145,7 @@ def run_policy_stage(
             scores[label] = json.loads(cached.read_text())
             bar.update(len(prompts))
             continue
-        press = None
-        if options is not None and released:
-            press = compose_released(
-                CoreReleasedScorerPress(checkpoint=str(artifact), compression_ratio=ratio), options
-            )
-        elif options is not None:
-            scorer = CoreScorerPress(checkpoint=str(artifact), compression_ratio=ratio)
-            press = compose(scorer, options)
+        press = None if options is None else candidate(artifact, ratio, options)
         rows = []
         for p in prompts:
             rows.append({"task": p.task, **score_prompt(model, tokenizer, p, press)})

@@ -19,12 +19,6 @@ compression_ratio=r)`` applies the band of r, ``policy="paper"`` the paper's pre
 (``head_budgets``, ``head_pool``, ``repair``, ``memory``) overrides the policy — the override shows in the press's repr
 and in its :meth:`config_dict` (results folders).
 
-A feature spec v3 artifact (the authors' released design, ``recipe: released``) composes instead
-``FastMemoryPress(CoreReleasedScorerPress(checkpoint))`` (:mod:`~core_kv.presses.released_scorer`,
-:mod:`~core_kv.presses.fast_memory`): one score per token, the same kept set in every KV head, the released memory;
-its policy may switch the memory off (or keep it in some layers) but not change the head budgets or add the repair
-pass (a v3 score is defined on one candidate set per layer).
-
 Deviations from the paper, each measured (docs/method.md): head-wise budgets and value-aware head pooling, the repair
 pass on CORE's retained sets, and the memory switched off (or kept in some layers) where the validation data says it
 does not help.
@@ -38,10 +32,8 @@ from core_kv.policy import PAPER, PolicyOptions
 from core_kv.presses.adakv import AdaKVPress
 from core_kv.presses.base import BasePress, WrapperPress
 from core_kv.presses.core_scorer import CoreScorerPress
-from core_kv.presses.fast_memory import FastMemoryPress
 from core_kv.presses.head_shared import HeadSharedPress
 from core_kv.presses.latent_memory import LatentMemoryPress
-from core_kv.presses.released_scorer import CoreReleasedScorerPress
 from core_kv.presses.twin_repair import TwinRepairPress
 
 POLICIES = ("artifact", "paper")
@@ -100,13 +92,6 @@ class CorePress(WrapperPress, name="core"):
             decoding_slack=self.decoding_slack, checkpoint=self.checkpoint, protected_sinks=self.protected_sinks,
             protected_recent=self.protected_recent, calibrated=self.calibrated, allocation=self.allocation,
         )  # fmt: skip
-        released = scorer._core is not None and scorer._core.config.shared_scores
-        if released:  # a feature spec v3 artifact: the released design's scorer and memory
-            scorer = CoreReleasedScorerPress(
-                compression_ratio=self.compression_ratio, budget=self.budget, decoding=self.decoding,
-                decoding_slack=self.decoding_slack, checkpoint=self.checkpoint, protected_sinks=self.protected_sinks,
-                protected_recent=self.protected_recent, calibrated=self.calibrated, allocation=self.allocation,
-            )  # fmt: skip
         self.protected_sinks, self.protected_recent = scorer.protected_sinks, scorer.protected_recent
         base = PAPER
         if self.policy == "artifact" and scorer._core is not None:
@@ -120,10 +105,6 @@ class CorePress(WrapperPress, name="core"):
             raise ValueError(f"{e} (policy {base.describe()!r} with overrides {given})") from None
         if scorer._core is not None:  # a memory layer list names layers of the artifact's base model
             self.options.check_layers(scorer._core.config.num_layers, f"{self.name}: {self.checkpoint}")
-        untrained = scorer._core is not None and not scorer._core.config.memory_trained
-        if untrained and self.options.memory_layers is not None:
-            raise ValueError(f"{self.name}: {self.checkpoint} has no trained memory (trained with online.memory=false), "
-                             f"but the composition ({self.options.describe()}) runs it; pass memory=false")  # fmt: skip
         if self.options.memory is False and (self.write_rule, self.budget_matched, self.memory_dtype) != (
             None,
             False,
@@ -131,14 +112,8 @@ class CorePress(WrapperPress, name="core"):
         ):
             raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype apply to the memory, which "
                              f"this composition ({self.options.describe()}) does not run")  # fmt: skip
-        if released:
-            if (self.write_rule, self.budget_matched, self.memory_dtype) != (None, False, None):
-                raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype are the latent memory's; "
-                                 "a spec-v3 artifact runs the released fast memory")  # fmt: skip
-            self.press = compose_released(scorer, self.options, f"{self.name}: {self.checkpoint}")
-        else:
-            self.press = compose(scorer, self.options, self.write_rule, self.budget_matched, self.memory_dtype,
-                                 self.memory_class)  # fmt: skip
+        self.press = compose(scorer, self.options, self.write_rule, self.budget_matched, self.memory_dtype,
+                             self.memory_class)  # fmt: skip
         super().validate()
 
     @property
@@ -146,8 +121,8 @@ class CorePress(WrapperPress, name="core"):
         return self.inner(CoreScorerPress)
 
     @property
-    def memory_press(self) -> LatentMemoryPress | FastMemoryPress | None:
-        return self.inner((LatentMemoryPress, FastMemoryPress))
+    def memory_press(self) -> LatentMemoryPress | None:
+        return self.inner(LatentMemoryPress)
 
     @property
     def core(self):
@@ -218,22 +193,6 @@ def compose(
     return press
 
 
-def compose_released(scorer: CoreReleasedScorerPress, options: PolicyOptions, where: str = "core") -> BasePress:
-    """The stack for ``options`` around a spec-v3 scorer: the released memory (outermost) unless the options switch
-    it off. Head-wise budgets and the repair pass are refused: a v3 score is defined on one candidate set per layer."""
-    if options.head_budgets != "uniform" or options.repair:
-        raise ValueError(f"{where} is a feature spec v3 artifact (one score per token, the same kept set in every KV "
-                         f"head): head_budgets must be 'uniform' and repair false, got {options.describe()!r}")  # fmt: skip
-    if options.memory_layers is None or scorer.is_noop:
-        return scorer
-    return FastMemoryPress(press=scorer, layers=options.memory_layers)
-
-
-def released_candidate(options: PolicyOptions) -> bool:
-    """Whether a composition applies to a spec-v3 artifact (uniform budgets, no repair pass)."""
-    return options.head_budgets == "uniform" and not options.repair
-
-
 @dataclass(repr=False)
 class CoreEAPress(CorePress, name="core_ea"):
     """``CORE_EA`` (paper Table 13): ExpectedAttention scores replace the indexer's allocation; the paper's press."""
@@ -253,14 +212,9 @@ class CoreKeyDiffPress(CorePress, name="core_keydiff"):
 def core_parameter_counts(core) -> dict:
     """Added parameters (paper Table 18): indexer, memory + gate, and the frozen geometry buffers."""
     parts = core.num_parameters_by_part()
-    names = (
-        ("key_projection", "key_prototypes", "key_rotation")
-        if core.config.shared_scores
-        else tuple(f"geo_{k}" for k in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt"))
-    )
-    geo = sum(getattr(core, k).numel() for k in names)
+    geo = sum(getattr(core, f"geo_{k}").numel() for k in ("mean", "proj", "prototypes", "gamma", "kmm_inv_sqrt"))
     return {**parts, "geometry_buffers": geo, "total": parts["indexer"] + parts["memory"] + geo}
 
 
-__all__ = ["OVERRIDES", "POLICIES", "CoreEAPress", "CoreKeyDiffPress", "CorePress", "compose", "compose_released",
-           "core_parameter_counts", "released_candidate"]  # fmt: skip
+__all__ = ["OVERRIDES", "POLICIES", "CoreEAPress", "CoreKeyDiffPress", "CorePress", "compose",
+           "core_parameter_counts"]  # fmt: skip

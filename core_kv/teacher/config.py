@@ -224,11 +224,6 @@ class TeacherConfig:
             self.lam_at(0)  # validates lam_layers
         except ValueError as e:
             raise ConfigError(f"{prefix}{e}") from None
-        if self.features == 3:
-            raise ConfigError(
-                f"{prefix}features: spec v3 (the released features) is computed online by the released recipe "
-                "(recipe: released in a train config), not stored in teacher datasets"
-            )
 
     def lam_at(self, layer: int) -> float:
         """The coverage weight λ of ``layer``: its ``lam_layers`` entry, else ``lam``."""

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from core_kv.features_v3 import (
+from research.released.features import (
     FEATURE_NAMES_V3,
     auxiliary_features,
     compute_features_v3,
@@ -15,7 +15,7 @@ from core_kv.features_v3 import (
     qk_statistics,
     special_mask,
 )
-from core_kv.key_geometry import KeyGeometry, hadamard
+from research.released.geometry import KeyGeometry, hadamard
 
 FLOOR = math.log(1e-8)
 
@@ -231,7 +231,7 @@ def test_compute_features_v3_assembles_the_three_groups():
 
 def test_f6_merges_staged_rows_exactly(monkeypatch):
     """f6's Top-K is merged in several rounds when few rows are staged at a time: the same features."""
-    import core_kv.features_v3 as fv3
+    import research.released.features as fv3
 
     q, k, qpos, kpos = _qk_inputs(6, 2, 64, 64, seed=5)
     whole, _ = qk_statistics(q, k, qpos, kpos, 0.35, block=8)

@@ -2,7 +2,7 @@
 
 For held-out training documents (the recipe's own data, indices 2,100,000+, never evaluation contexts), per layer:
 the prompt is compressed at ``--ratio`` (sinks kept; the evicted set is drawn by ``--evict``), the evicted tokens are
-written to an empty fast memory (:mod:`core_kv.fast_memory`, conditional weights of a uniform distribution, or of the
+written to an empty fast memory (:mod:`research.released.memory`, conditional weights of a uniform distribution, or of the
 artifact's student when ``--artifact`` is given), and for the memory's 16 tail queries we compare
 
 - ``‖m(q)‖ / ‖o_E(q)‖``: the readout's norm over the norm of the attention output over the evicted keys alone (what a
@@ -12,7 +12,7 @@ artifact's student when ``--artifact`` is given), and for the memory's 16 tail q
   1 − cos²(c, gap)``), with ``c = m`` (the release's residual) or ``c = m − o_R`` (the paper's interpolation);
   and the same with ``c = o_E − o_R`` (the ideal memory, ``m = o_E``).
 
-Run: ``python -m research.fast_memory_readout --config configs/train/smollm2_released.yaml --docs 2``
+Run: ``python -m research.released.readout --config research/released/configs/smollm2.yaml --docs 2``
 (``--artifact runs/core-smollm2-released/final`` for a trained θ and student; without it θ is the release's
 initialisation, ``FastMemory.reset_parameters(seed)``). ``--kernel positive`` replaces the release's signed kernel
 ``(θq)·(θk)`` normalised by ``sqrt((θq)²·b)`` with a positive one, ``φ(x) = elu(θx) + 1``, normalised by its own mass
@@ -29,11 +29,12 @@ from dataclasses import replace
 import torch
 
 from core_kv.config import load_config
-from core_kv.distill.config import TrainConfig
-from core_kv.distill.online import EVAL_OFFSET, attention_rows, prompt_split
 from core_kv.distill.replay import capture
-from core_kv.fast_memory import FastMemory, read
 from core_kv.teacher.docs import load_model, make_docs
+from research.released.config import ReleasedTrainConfig
+from research.released.memory import FastMemory, read
+from research.released.model import ReleasedModel
+from research.released.trainer import EVAL_OFFSET, attention_rows, prompt_split
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -80,44 +81,44 @@ def layer_stats(a, memory: FastMemory, layer: int, n: int, tail: int, ratio: flo
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/train/smollm2_released.yaml")
+    ap.add_argument("--config", default="research/released/configs/smollm2.yaml")
     ap.add_argument("--artifact", default="", help="a released-recipe artifact (its θ and student); '' = init θ")
     ap.add_argument("--docs", type=int, default=2)
     ap.add_argument("--ratio", type=float, default=0.75)
     ap.add_argument("--seed", type=int, default=0, help="θ's initialisation seed (without --artifact)")
     ap.add_argument("--kernel", choices=("released", "positive"), default="released")
     args = ap.parse_args(argv)
-    cfg = load_config(TrainConfig, [args.config])
-    o = cfg.online
+    cfg = load_config(ReleasedTrainConfig, [args.config])
+    o = cfg.released
     model, tok = load_model(cfg.teacher.model, "cpu")
-    data = replace(cfg.teacher.data, min_len=math.ceil(0.75 * o.short_len), max_len=o.short_len)
+    data = replace(cfg.teacher.data, min_len=math.ceil(0.75 * o.schedule.short_len), max_len=o.schedule.short_len)
     docs = make_docs(data, [EVAL_OFFSET + i for i in range(args.docs)], tok)
     core = None
     if args.artifact:
-        from core_kv.core_model import CoreModel
-
-        core = CoreModel.from_pretrained(args.artifact)
+        core = ReleasedModel.from_pretrained(args.artifact)
         memory = core.memory
     else:
         c = model.config
         hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        memory = FastMemory(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, hd, o.memory_dim,
-                            o.memory_gate_hidden)  # fmt: skip
+        memory = FastMemory(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, hd, o.memory.dim,
+                            o.memory.gate_hidden)  # fmt: skip
         memory.reset_parameters(args.seed)
-    memory.kernel = args.kernel  # the same θ read through the chosen kernel (core_kv.fast_memory.read)
+    memory.kernel = args.kernel  # the same θ read through the chosen kernel (research.released.memory.read)
     rows: dict[int, list[dict]] = {}
     gen = torch.Generator().manual_seed(0)
     for doc in docs:
         ids = torch.tensor([doc.ids])
         acts = capture(model, ids)
-        n, tail = prompt_split(doc, o.memory_tail, True)
+        n, tail = prompt_split(doc, o.memory.tail, True)
         for layer, a in enumerate(acts):
             scores = None
             if core is not None:
                 pos = torch.arange(n)
-                scores = core.released_scores(layer, a.q_post[:, :n], a.k_post[:, :n], a.v[:, :n], pos, pos, n, a.scaling,
-                                              token_ids=ids[0, :n])  # fmt: skip
-            rows.setdefault(layer, []).append(layer_stats(a, memory, layer, n, tail, args.ratio, o.sinks, gen, scores))
+                scores = core.scores(layer, a.q_post[:, :n], a.k_post[:, :n], a.v[:, :n], pos, pos, n, a.scaling,
+                                     token_ids=ids[0, :n])  # fmt: skip
+            rows.setdefault(layer, []).append(
+                layer_stats(a, memory, layer, n, tail, args.ratio, o.losses.sinks, gen, scores)
+            )
     keys = list(next(iter(rows.values()))[0])
     print("| layer | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")

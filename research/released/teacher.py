@@ -8,7 +8,7 @@ logit ``a(t, h, i) = q_t^h · k_i · scaling`` is pooled over the query heads of
 of the ``min(4, G)`` largest), and ``u_i = max_{t visible, m} TopMean_h a(t, h, i)``: a candidate is worth the strongest
 logit any query of the event gives it.
 
-**DRIVE fixed point.** With the projected keys ``z_i`` of :class:`~core_kv.key_geometry.KeyGeometry` centred once,
+**DRIVE fixed point.** With the projected keys ``z_i`` of :class:`~research.released.geometry.KeyGeometry` centred once,
 ``x̄_i = z_i − mean_j z_j``, starting from uniform ``w``::
 
     Σ(w) = I + α Σ_i w_i x̄_i x̄_iᵀ,    h_i = α x̄_iᵀ Σ(w)⁻¹ x̄_i,    w ← softmax((u + β h) / τ)
@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from core_kv.features_v3 import QUERY_BLOCK, TOP_HEADS
+from core_kv.config import check_on_init, option
+from research.released.features import QUERY_BLOCK, TOP_HEADS
 
 
 @dataclass
 class DriveConfig:
-    """The DRIVE teacher's constants (release defaults).
+    """The DRIVE teacher's constants (release defaults); the ``teacher`` section of the recipe's options.
 
     Args:
         beta: Coverage weight β (``beta_coverage``).
@@ -41,20 +42,14 @@ class DriveConfig:
         temperature: Distillation temperature ``T`` applied after the fixed point (``teacher_temp``).
     """
 
-    beta: float = 128.0
-    alpha: float = 1.0
-    tau: float = 8.0
-    steps: int = 8
-    temperature: float = 1.0
+    beta: float = option(128.0, ge=0)
+    alpha: float = option(1.0, gt=0)
+    tau: float = option(8.0, gt=0)
+    steps: int = option(8, ge=1)
+    temperature: float = option(1.0, gt=0)
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "tau", "temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"drive.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.beta < 0:
-            raise ValueError(f"drive.beta must be >= 0, got {self.beta!r}")
-        if isinstance(self.steps, bool) or self.steps < 1:
-            raise ValueError(f"drive.steps must be >= 1, got {self.steps!r}")
+        check_on_init(self)
 
 
 @torch.no_grad()
@@ -74,7 +69,7 @@ def attention_utility(
         scaling: The attention score scale.
         block: Queries per block.
 
-    A candidate no query can see gets ``−inf``. :func:`core_kv.features_v3.qk_statistics` (``with_utility=True``)
+    A candidate no query can see gets ``−inf``. :func:`research.released.features.qk_statistics` (``with_utility=True``)
     returns the same numbers from the logits it computes anyway; this function is the teacher's own definition.
     """
     h, t_len, d = queries.shape

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from core_kv.teacher.geometry import spherical_kmeans
+
 D_Z = 64  # [release: proto_dim]
 NUM_PROTOTYPES = 64  # [release: n_prototypes]
 GEOMETRY_SEED = 42  # [release: geometry_seed, fixed across training seeds]
@@ -95,7 +97,8 @@ class KeyGeometry:
         Args:
             keys: Per layer, the calibration documents' keys.
             d_z, num_prototypes, seed: As :meth:`draw`.
-            iters: Spherical k-means iterations (Lloyd's, cosine assignment, mean direction update).
+            iters: Spherical k-means iterations (:func:`core_kv.teacher.geometry.spherical_kmeans`, the v2 geometry's:
+                k-means++ seeding from ``seed + 1``, cosine Lloyd steps).
             max_points: At most this many centred directions enter the k-means (a seeded draw when there are more).
         """
         if not keys or any(not docs for docs in keys):
@@ -125,7 +128,7 @@ class KeyGeometry:
         if points.shape[0] < num_prototypes:
             raise ValueError(f"KeyGeometry.fit: {points.shape[0]} calibration directions for {num_prototypes} "
                              "prototypes; give more calibration tokens")  # fmt: skip
-        return cls(projection, spherical_kmeans(points, num_prototypes, iters, g), drawn.rotation)
+        return cls(projection, spherical_kmeans(points, num_prototypes, iters, int(seed) + 1), drawn.rotation)
 
     @property
     def d_z(self) -> int:
@@ -158,22 +161,4 @@ def _concat_normalised(keys: torch.Tensor) -> torch.Tensor:
     return k.transpose(0, 1).reshape(n, hkv * d)
 
 
-def spherical_kmeans(points: torch.Tensor, m: int, iters: int, generator: torch.Generator) -> torch.Tensor:
-    """``m`` unit centroids of unit ``points`` (P, d): seeded initial points, then ``iters`` rounds of nearest-by-cosine
-    assignment and normalised-mean update; an empty cluster restarts at the point its centroid fits worst."""
-    centroids = points[torch.randperm(points.shape[0], generator=generator)[:m]].clone()
-    for _ in range(iters):
-        cos = points @ centroids.T
-        assign = cos.argmax(-1)
-        sums = torch.zeros_like(centroids).index_add_(0, assign, points)
-        counts = torch.bincount(assign, minlength=m)
-        worst = cos.max(-1).values.argsort()
-        refill = 0
-        for j in (counts == 0).nonzero().flatten().tolist():
-            sums[j] = points[worst[refill]]
-            refill += 1
-        centroids = torch.nn.functional.normalize(sums, dim=-1, eps=EPS)
-    return centroids
-
-
-__all__ = ["D_Z", "GEOMETRY_SEED", "NUM_PROTOTYPES", "KeyGeometry", "hadamard", "spherical_kmeans"]
+__all__ = ["D_Z", "GEOMETRY_SEED", "NUM_PROTOTYPES", "KeyGeometry", "hadamard"]

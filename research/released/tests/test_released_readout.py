@@ -1,4 +1,4 @@
-"""``research/fast_memory_readout.py``: the released memory's readout against the evicted-only attention output.
+"""``research/released/readout.py``: the released memory's readout against the evicted-only attention output.
 The ideal correction (``m = o_E``) against the mixture identity, and a run on the proxy LM."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from core_kv.fast_memory import FastMemory
 from core_kv.models.attention import LayerQKV
-from research import fast_memory_readout as fmr
+from research.released import readout as fmr
+from research.released.memory import FastMemory
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _layer(seed: int = 0, hkv: int = 2, g: int = 2, t: int = 40, d: int = 8) -> LayerQKV:
@@ -39,7 +39,7 @@ def test_the_ideal_interpolation_removes_the_error_with_one_head():
 
 @pytest.mark.skipif(not (ROOT / "checkpoints" / "proxy-lm").is_dir(), reason="the shipped proxy LM is not checked out")
 def test_a_run_on_the_proxy_prints_one_row_per_layer(capsys):
-    fmr.main(["--config", str(ROOT / "configs" / "train" / "proxy_released.yaml"), "--docs", "1"])
+    fmr.main(["--config", str(ROOT / "research" / "released" / "configs" / "proxy.yaml"), "--docs", "1"])
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
     assert lines[0].startswith("| layer | alpha_e") and lines[-1].startswith("| mean |")
     assert len(lines) == 2 + 4  # header + the proxy's 4 layers + mean (the separator starts with "|---")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from core_kv.fast_memory import (
+from research.released.memory import (
     FastMemory,
     FastState,
     concat_heads,

@@ -3,8 +3,9 @@
 A tiny spec-v3 artifact is built from seeds alone (every parameter drawn in name order from one generator, the fixed
 key geometry drawn from its seed), so the same artifact can be rebuilt whatever class holds it. The retained set of
 every eviction event (kept candidate indices per KV head), the question's logits and the decoded tokens were recorded
-in ``fixtures/released_golden/golden.json`` before the released line moved out of ``core_kv`` into
-``research/released``; the stack must keep exactly the same sets. ``RECORD=1`` rewrites the fixture.
+in ``fixtures/released_golden.json`` (commit 989ff0a) with the stack as it was inside ``core_kv`` (``core`` on a
+feature spec v3 ``CoreModel``), before it moved into ``research/released``; the plugin's ``core_released`` must keep
+exactly the same sets. ``RECORD=1`` rewrites the fixture.
 """
 
 from __future__ import annotations
@@ -17,17 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from core_kv.core_model import CoreConfig, CoreModel
-from core_kv.features import spec
 from core_kv.geometry import model_fingerprint
-from core_kv.key_geometry import KeyGeometry
 from core_kv.models.cache import cache_kwarg
 from core_kv.models.tiny import tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import base as press_base
 from core_kv.presses import build_press
+from research.released.geometry import KeyGeometry
+from research.released.model import ReleasedConfig, ReleasedModel
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "released_golden" / "golden.json"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "released_golden.json"
 N, SPECIAL = 150, 7
 # tag -> (press options, chunk size, decoded tokens)
 SETTINGS = {
@@ -60,10 +60,10 @@ def seeded(core: torch.nn.Module) -> list[str]:
 @pytest.fixture(scope="module")
 def artifact(model, tmp_path_factory) -> tuple[str, list[str]]:
     fp = model_fingerprint(model)
-    cfg = CoreConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=fp["head_dim"], d_z=64, num_prototypes=64,
-                     memory_dim=32, protected_sinks=4, protected_recent=0, fingerprint=fp, feature_spec=spec(3),
-                     memory_kind="fast", special_token_ids=[SPECIAL])  # fmt: skip
-    core = CoreModel(cfg)
+    cfg = ReleasedConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=fp["head_dim"], d_z=64, num_prototypes=64,
+                         memory_dim=32, protected_sinks=4, protected_recent=0, fingerprint=fp,
+                         special_token_ids=[SPECIAL])  # fmt: skip
+    core = ReleasedModel(cfg)
     names = seeded(core)
     core.set_key_geometry(KeyGeometry.draw(2, 2, fp["head_dim"]))
     core.indexer.temperature.fill_(0.8)
@@ -73,7 +73,7 @@ def artifact(model, tmp_path_factory) -> tuple[str, list[str]]:
 
 
 def build(checkpoint: str, options: dict):
-    return build_press("core", checkpoint=checkpoint, **options)
+    return build_press("core_released", checkpoint=checkpoint, **options)
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core_kv.features_v3 import qk_statistics
-from core_kv.teacher.drive import DriveConfig, attention_utility, drive_teacher, drive_weights, teacher_distribution
+from research.released.features import qk_statistics
+from research.released.teacher import DriveConfig, attention_utility, drive_teacher, drive_weights, teacher_distribution
 
 
 def direct_drive(z, u, beta, alpha, tau, steps):
@@ -57,9 +57,9 @@ def test_teacher_temperature_and_zero_weights():
     torch.testing.assert_close(teacher_distribution(w), w)
     sharp = teacher_distribution(w, 0.5)
     torch.testing.assert_close(sharp, torch.tensor([4 / 6, 1 / 6, 1 / 6, 0.0], dtype=torch.float64))
-    with pytest.raises(ValueError, match="drive.tau"):
+    with pytest.raises(ValueError, match="tau"):
         DriveConfig(tau=0)
-    with pytest.raises(ValueError, match="drive.steps"):
+    with pytest.raises(ValueError, match="steps"):
         DriveConfig(steps=0)
     pi = drive_teacher(torch.randn(10, 4), torch.randn(10))
     assert abs(float(pi.sum()) - 1) < 1e-12

@@ -1,4 +1,4 @@
-"""Feature spec v3: the 14 features of the CORE authors' release, one vector per token per layer.
+"""Feature spec v3: the 14 features of the CORE authors' release, one vector per token per layer (:data:`SPEC`).
 
 Source: GitHub ``zhutizi23-coder/CORE`` (commit 92839850c47d), ``core/features.py`` and ``core/config.py`` defaults;
 notes in ``../shared/research/anchors_turn3.md`` §5.2. Our own implementation of that specification.
@@ -28,7 +28,7 @@ heads, so one vector (and one indexer score) serves every KV head of the layer (
 Queries are streamed in blocks of 128: per block only ``(Hkv, G, 128, N)`` logits are live, with running maxima,
 running Top-K buffers (exact: the union of per-block Top-K sets holds the global Top-K) and running sums.
 
-**Coverage (4)**, on ``z_i`` of :class:`~core_kv.key_geometry.KeyGeometry` (one per token): centred directions
+**Coverage (4)**, on ``z_i`` of :class:`~research.released.geometry.KeyGeometry` (one per token): centred directions
 ``ẑ_i = (z_i − z̄)/‖z_i − z̄‖`` (a token within 1e-6 of the centroid has none: ``reliable = False``), nearest and
 second-nearest of the 64 fixed prototypes by cosine, ``n_m`` = reliable tokens whose nearest prototype is ``m``:
 
@@ -58,7 +58,7 @@ import math
 
 import torch
 
-from core_kv.key_geometry import KeyGeometry
+from research.released.geometry import KeyGeometry
 
 FEATURE_NAMES_V3 = (
     "qk_max",
@@ -148,7 +148,7 @@ def qk_statistics(
         scaling: The attention score scale (``module.scaling``).
         block: Queries per block (128 in the release).
         with_utility: Also return ``u_i = max_{t visible, m} TopMean_heads(q·k · scaling)`` (the raw-logit utility
-            of :func:`core_kv.teacher.drive.attention_utility`), computed from the same logits.
+            of :func:`research.released.teacher.attention_utility`), computed from the same logits.
 
     Returns:
         ``(features (N, 6) float32, utility (N,) or None)``.
@@ -315,6 +315,30 @@ def compute_features_v3(
     return feats, z, util
 
 
+SPEC = {  # recorded in every released artifact (config.json feature_spec) and compared when one is loaded
+    "version": 3,
+    "names": list(FEATURE_NAMES_V3),
+    "scores": "shared",
+    "top_heads": TOP_HEADS,
+    "recent_queries": RECENT_QUERIES,
+    "query_block": QUERY_BLOCK,
+    "top_fraction": TOP_FRACTION,
+    "advantage_floor": "log(1e-8)",
+    "shrinkage": SHRINKAGE,
+    "sink_tokens": SINK_TOKENS,
+}
+
+
+def spec_problem(recorded: dict) -> str:
+    """How a recorded feature spec differs from :data:`SPEC` (``""``: it does not), naming each differing constant."""
+    if not isinstance(recorded, dict):
+        return f"feature spec {recorded!r} is not a mapping"
+    differ = sorted(k for k in set(recorded) | set(SPEC) if recorded.get(k) != SPEC.get(k))
+    if not differ:
+        return ""
+    return "trained with " + ", ".join(f"{k}={recorded.get(k)!r} (code: {SPEC.get(k)!r})" for k in differ)
+
+
 def special_mask(token_ids: torch.Tensor | None, special_ids) -> torch.Tensor | None:
     """``token_ids`` (N,) -> bool (N,): which are in ``special_ids`` (None when either is missing)."""
     if token_ids is None or not special_ids:
@@ -323,6 +347,8 @@ def special_mask(token_ids: torch.Tensor | None, special_ids) -> torch.Tensor | 
 
 
 __all__ = [
+    "SPEC",
+    "spec_problem",
     "FEATURE_GROUPS_V3",
     "FEATURE_NAMES_V3",
     "ablated_names",

@@ -1,4 +1,4 @@
-"""The released recipe end to end (core_kv/distill/online.py through train.py) on a tiny config-built Llama."""
+"""The released recipe end to end (research/released/trainer.py through train.py) on a tiny config-built Llama."""
 
 from __future__ import annotations
 
@@ -16,47 +16,15 @@ import torch
 from safetensors.torch import load_file
 
 from core_kv.config import load_config
-from core_kv.distill.config import OnlineConfig, TrainConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_args(out: Path, *extra: str) -> list[str]:
-    return [
-        f"out_dir={out}",
-        "recipe=released",
-        "teacher.model.random_init=true",
-        "teacher.model.path=''",
-        "teacher.model.hidden_size=64",
-        "teacher.model.num_layers=2",
-        "teacher.model.num_heads=4",
-        "teacher.model.num_kv_heads=2",
-        "teacher.model.intermediate_size=128",
-        "teacher.data.source=random",
-        "train_docs=4",
-        "eval_docs=1",
-        "eval_ratios=[0.75]",
-        "online.total_steps=6",
-        "online.indexer_steps=3",
-        "online.warmup=1",
-        "online.stable=3",
-        "online.decay=2",
-        "online.short_len=96",
-        "online.long_len=128",
-        "online.long_every=4",
-        "online.decode_every=2",
-        "online.decode_window=16",
-        "online.memory_dim=32",
-        "save_every=1",
-        "progress=false",
-        *extra,
-    ]
+from core_kv.distill.config import TrainConfig
+from core_kv.distill.trainer import train_schema
+from research.released.config import ReleasedOptions, ReleasedTrainConfig
+from research.released.tests.helpers import CONFIGS, ROOT, run, tiny_args
 
 
-def run(args: list[str]) -> dict:
-    import train
-
-    return train.main(args)
+def load(argv: list[str]):
+    """A train config as train.py reads it (plugins imported, the recipe's schema)."""
+    return load_config(TrainConfig, argv, resolve=train_schema)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +35,9 @@ def reference(tmp_path_factory) -> Path:
 
 
 def test_folder_listing_and_v3_artifact(reference):
-    from core_kv.core_model import CoreModel
     from core_kv.teacher.config import ModelSpec
     from core_kv.teacher.docs import load_model
+    from research.released.model import ReleasedModel
 
     assert {p.name for p in reference.iterdir()} >= {"final", "stages", "state", "run.json", "summary.json",
                                                      "config.yaml", "report.md"}  # fmt: skip
@@ -78,9 +46,9 @@ def test_folder_listing_and_v3_artifact(reference):
     model, _ = load_model(
         ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128), "cpu"
     )
-    core = CoreModel.from_pretrained(reference / "final", base_model=model)
+    core = ReleasedModel.from_pretrained(reference / "final", base_model=model)
     c = core.config
-    assert c.feature_spec["version"] == 3 and c.shared_scores and c.memory_kind == "fast"
+    assert c.feature_spec["version"] == 3 and c.model_type == "core_kv_released" and c.plugin == "research.released"
     assert c.protected_sinks == 4 and c.protected_recent == 0
     assert core.indexer.head_bias.shape == (2, 1) and core.memory.theta.shape == (2, 32, 64)
     assert c.teacher["drive"] == {"beta": 128.0, "alpha": 1.0, "tau": 8.0, "steps": 8, "temperature": 1.0}
@@ -134,27 +102,32 @@ def test_resume_after_sigkill_matches(tmp_path, reference):
 
 def test_memory_off_trains_the_indexer_for_every_step(tmp_path, reference):
     out = tmp_path / "run"
-    s = run(tiny_args(out, "online.memory=false", "online.total_steps=2", "online.indexer_steps=2"))
+    s = run(
+        tiny_args(
+            out, "released.memory.train=false", "released.schedule.total_steps=2", "released.schedule.indexer_steps=2"
+        )
+    )
     assert {p.name for p in (out / "stages").iterdir()} == {"online_indexer.safetensors"}
     assert "memory_relative" not in s["eval"]["r75"]
     # the artifact says its memory is untrained: no memory by default, and a press that asks for it is refused
-    from core_kv.core_model import CoreModel
     from core_kv.presses import build_press
-    from core_kv.presses.fast_memory import FastMemoryPress
+    from research.released.model import ReleasedModel
+    from research.released.presses import FastMemoryPress
 
-    core = CoreModel.from_pretrained(out / "final")
+    core = ReleasedModel.from_pretrained(out / "final")
     assert core.config.memory_trained is False and core.policy().for_ratio(0.75).memory is False
-    press = build_press("core", checkpoint=str(out / "final"), compression_ratio=0.75)
+    press = build_press("core_released", checkpoint=str(out / "final"), compression_ratio=0.75)
     assert press.memory_press is None
     for kwargs in ({"policy": "paper"}, {"memory": True}):
         with pytest.raises(ValueError, match="no trained memory.*memory=false"):
-            build_press("core", checkpoint=str(out / "final"), compression_ratio=0.75, **kwargs)
-    trained = build_press("core", checkpoint=str(reference / "final"), compression_ratio=0.75)
+            build_press("core_released", checkpoint=str(out / "final"), compression_ratio=0.75, **kwargs)
+    trained = build_press("core_released", checkpoint=str(reference / "final"), compression_ratio=0.75)
     assert isinstance(trained.memory_press, FastMemoryPress)
 
 
 def test_wsd_schedule_by_hand():
-    o = OnlineConfig()
+    r = ReleasedOptions()
+    o = r.schedule
     assert o.lr_at(0) == 0.0 and math.isclose(o.lr_at(50), 2.5e-4)
     assert o.lr_at(100) == o.lr_at(3199) == 5e-4
     mid = 3200 + 1100  # half the decay: the cosine is at its middle
@@ -162,26 +135,32 @@ def test_wsd_schedule_by_hand():
     assert math.isclose(o.lr_at(5400), 7.5e-6) and math.isclose(o.lr_at(9999), 7.5e-6)
     assert [o.seq_len(s) for s in (1, 7, 8, 16)] == [2048, 2048, 4096, 4096]
     assert [o.decode_at(s) for s in (1, 4, 6, 8)] == [False, True, False, True]
-    ratios = [o.ratio_at(0, s) for s in range(1, 200)]
-    assert set(ratios) == {0.25, 0.5, 0.75, 0.9} and ratios == [o.ratio_at(0, s) for s in range(1, 200)]
+    ratios = [r.ratio_at(0, s) for s in range(1, 200)]
+    assert set(ratios) == {0.25, 0.5, 0.75, 0.9} and ratios == [r.ratio_at(0, s) for s in range(1, 200)]
 
 
-def test_online_options_are_validated_at_config_load():
-    with pytest.raises(ValueError, match="online.indexer_steps"):
-        load_config(TrainConfig, ["recipe=released", "online.total_steps=5", "online.indexer_steps=6"])
-    with pytest.raises(ValueError, match="online.budgets"):
-        load_config(TrainConfig, ["online.budgets=[0.5,1.0]"])
-    with pytest.raises(ValueError, match="recipe"):
-        load_config(TrainConfig, ["recipe=offline"])
-    with pytest.raises(ValueError, match="online.drive_tau"):
-        load_config(TrainConfig, ["online.drive_tau=0"])
+def test_released_options_are_validated_at_config_load():
+    plugin = "plugins=[research.released]"
+    with pytest.raises(ValueError, match="released.schedule.indexer_steps"):
+        load([plugin, "recipe=released", "released.schedule.total_steps=5", "released.schedule.indexer_steps=6"])
+    with pytest.raises(ValueError, match="released.losses.budgets"):
+        load([plugin, "recipe=released", "released.losses.budgets=[0.5,1.0]"])
+    with pytest.raises(ValueError, match="recipe: 'offline' is not registered"):
+        load([plugin, "recipe=offline"])
+    with pytest.raises(ValueError, match="released.teacher.tau"):
+        load([plugin, "recipe=released", "released.teacher.tau=0"])
+    with pytest.raises(ValueError, match="plugins: cannot import 'research.nope'"):
+        load(["plugins=[research.nope]"])
+    assert type(load([plugin])) is TrainConfig  # the plugin imported, the replay recipe kept
+    with pytest.raises(ValueError, match="recipe: 'released' is not the recipe of this config schema .*plugins"):
+        TrainConfig(recipe="released")
 
 
 def test_attention_rows_equal_the_models_own_attention_output():
     """The memory's targets o* are the attention module's input to o_proj (computed from the captured Q/K/V)."""
-    from core_kv.distill.online import attention_rows
     from core_kv.distill.replay import capture
     from core_kv.models.tiny import tiny_lm
+    from research.released.trainer import attention_rows
 
     model = tiny_lm(seed=0, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     intermediate_size=128, vocab_size=256, attn_implementation="eager")  # fmt: skip
@@ -202,10 +181,9 @@ def test_evicted_share_and_gate_term_by_hand():
     exactly ``memory_gate_weight · BCE(g, α_E)`` to the layer's memory loss (0: the release's loss)."""
     import torch.nn.functional as F
 
-    from core_kv.distill.config import OnlineConfig
-    from core_kv.distill.online import _memory_term, attention_rows, keep_mask
-    from core_kv.fast_memory import FastMemory
     from core_kv.models.attention import LayerQKV
+    from research.released.memory import FastMemory
+    from research.released.trainer import _memory_term, attention_rows, keep_mask
 
     gen = torch.Generator().manual_seed(3)
     hkv, g, t, d, n, tail = 2, 2, 24, 8, 20, 4
@@ -226,12 +204,11 @@ def test_evicted_share_and_gate_term_by_hand():
     memory = FastMemory(1, hkv * g, hkv, d, dim=16, gate_hidden=4)
     memory.reset_parameters(0)
     scores = torch.randn(n, generator=gen)
-    base = OnlineConfig(sinks=2)
+    base = ReleasedOptions()
+    base.losses.sinks = 2
     plain, mse, gap, gate, alpha_e = _memory_term(a, memory, 0, scores, n, tail, 0.5, base)
     assert float(plain) == pytest.approx(mse)
-    gated, gated_mse, *_ = _memory_term(
-        a, memory, 0, scores, n, tail, 0.5, OnlineConfig(sinks=2, memory_gate_weight=0.5)
-    )
+    gated, gated_mse, *_ = _memory_term(a, memory, 0, scores, n, tail, 0.5, _gated(base, 0.5))
     evicted = torch.cat([~keep_mask(scores, 0.5, 2), torch.zeros(t - n, dtype=torch.bool)])
     _, alpha = attention_rows(a, qpos, causal, share=evicted)
     state = memory.write_event(memory.empty_state(), 0, scores, ~keep_mask(scores, 0.5, 2), a.k_post[:, :n],
@@ -241,22 +218,30 @@ def test_evicted_share_and_gate_term_by_hand():
     assert alpha_e == pytest.approx(float(alpha.mean())) and 0 < alpha_e < 1 and gap > 0 and gated_mse == mse
 
 
+def _gated(options: ReleasedOptions, weight: float) -> ReleasedOptions:
+    from dataclasses import replace
+
+    return replace(options, memory=replace(options.memory, gate_weight=weight))
+
+
 def test_shipped_released_yamls_load():
-    for path in sorted((ROOT / "configs" / "train").glob("*released*.yaml")):
-        cfg = load_config(TrainConfig, [str(path)])
-        assert cfg.recipe == "released", path
+    paths = sorted(CONFIGS.glob("*.yaml"))
+    assert [p.name for p in paths] == ["proxy.yaml", "smollm2.yaml"]
+    for path in paths:
+        cfg = load([str(path)])
+        assert isinstance(cfg, ReleasedTrainConfig) and cfg.recipe == "released", path
 
 
 def test_released_scores_equal_the_indexer_on_the_v3_features(reference):
-    from core_kv.core_model import CoreModel
-    from core_kv.features_v3 import compute_features_v3, special_mask
+    from research.released.features import compute_features_v3, special_mask
+    from research.released.model import ReleasedModel
 
-    core = CoreModel.from_pretrained(reference / "final")
+    core = ReleasedModel.from_pretrained(reference / "final")
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(4, 20, 16, generator=gen), torch.randn(2, 20, 16, generator=gen), torch.randn(2, 20, 16)
     pos = torch.arange(20)
     ids = torch.randint(0, 300, (20,), generator=gen)
-    got = core.released_scores(1, q, k, v, pos, pos, 20, 0.25, token_ids=ids)
+    got = core.scores(1, q, k, v, pos, pos, 20, 0.25, token_ids=ids)
     feats, _, _ = compute_features_v3(q, k, v, pos, pos, 20, core.key_geometry(), 1, 0.25, 0,
                                       special_mask(ids, core.config.special_token_ids))  # fmt: skip
     torch.testing.assert_close(got, core.indexer.scores(1, feats[None])[0])
@@ -264,15 +249,15 @@ def test_released_scores_equal_the_indexer_on_the_v3_features(reference):
 
 
 def test_ablated_features_are_invisible_to_the_indexer_in_training_and_after_loading(tmp_path):
-    """``online.ablate_features=[coverage]``: the artifact records the 4 coverage names, the loaded indexer zeroes
+    """``released.ablate_features=[coverage]``: the artifact records the 4 coverage names, the loaded indexer zeroes
     them (the scores do not move when only those features change), and the other features still move the scores."""
-    from core_kv.core_model import CoreModel
-    from core_kv.features_v3 import FEATURE_GROUPS_V3, FEATURE_NAMES_V3
+    from research.released.features import FEATURE_GROUPS_V3, FEATURE_NAMES_V3
+    from research.released.model import ReleasedModel
 
     out = tmp_path / "run"
-    run(tiny_args(out, "online.memory=false", "online.total_steps=2", "online.indexer_steps=2",
-                  "online.ablate_features=[coverage]"))  # fmt: skip
-    core = CoreModel.from_pretrained(out / "final")
+    run(tiny_args(out, "released.memory.train=false", "released.schedule.total_steps=2", "released.schedule.indexer_steps=2",
+                  "released.ablate_features=[coverage]"))  # fmt: skip
+    core = ReleasedModel.from_pretrained(out / "final")
     assert core.config.ablated_features == list(FEATURE_GROUPS_V3["coverage"]) == list(FEATURE_NAMES_V3[6:10])
     assert core.indexer.ablated == [6, 7, 8, 9]
     feats = torch.randn(1, 12, 14, generator=torch.Generator().manual_seed(1))
@@ -284,43 +269,44 @@ def test_ablated_features_are_invisible_to_the_indexer_in_training_and_after_loa
 
 
 def test_ablate_features_names_the_unknown_entry():
-    with pytest.raises(ValueError, match="online.ablate_features.*covrage"):
-        load_config(TrainConfig, ["online.ablate_features=[covrage]"])
-    from core_kv.core_model import CoreConfig
+    with pytest.raises(ValueError, match="released.ablate_features.*covrage"):
+        load(["plugins=[research.released]", "recipe=released", "released.ablate_features=[covrage]"])
+    from research.released.model import ReleasedConfig
 
     with pytest.raises(ValueError, match="ablated_features.*'nope'"):
-        CoreConfig(ablated_features=["nope"])
+        ReleasedConfig(ablated_features=["nope"])
 
 
 def _stage_keys(*overrides: str) -> dict:
-    from core_kv.distill.online import ReleasedTrainer
+    from research.released.trainer import ReleasedTrainer
 
     tr = object.__new__(ReleasedTrainer)  # stage_keys reads only the config and the base model's fingerprint
-    tr.cfg = load_config(TrainConfig, [str(ROOT / "configs/train/smollm2_released.yaml"), *overrides])
+    tr.cfg = load([str(CONFIGS / "smollm2.yaml"), *overrides])
     tr.fingerprint = {"layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "digest": "x"}
     return tr.stage_keys()
 
 
-def test_options_at_the_release_default_keep_finished_stages():
-    """Stage keys of the shipped SmolLM2 recipe as computed before ``online.ablate_features`` and ``online.geometry``
-    existed (commit 3810a77): a run started then resumes its finished stages; an ablation gets its own keys."""
-    golden = {"online_indexer": "73606c388799409c", "online_joint": "31bc5e9d6e675bf1"}
-    assert _stage_keys() == golden
-    assert _stage_keys("online.geometry=drawn", "online.geometry_docs=3", "online.ablate_features=[]") == golden
-    fitted = _stage_keys("online.geometry=fitted")
-    assert fitted["online_indexer"] != golden["online_indexer"] and fitted["online_joint"] != golden["online_joint"]
+def test_stage_keys_follow_the_options_each_stage_reads():
+    """A memory or joint-stage option changes only the joint stage's key (the finished indexer stage is kept); an
+    indexer option (the geometry, an ablation, a loss weight) changes both."""
+    base = _stage_keys()
+    memory = _stage_keys("released.memory.gate_weight=0.5", "released.schedule.joint_memory_lr_scale=0.5")
+    assert memory["online_indexer"] == base["online_indexer"] and memory["online_joint"] != base["online_joint"]
+    for change in ("released.geometry.kind=fitted", "released.ablate_features=[qk]", "released.losses.lambda_bd=2"):
+        other = _stage_keys(change)
+        assert other["online_indexer"] != base["online_indexer"] and other["online_joint"] != base["online_joint"]
 
 
 def test_fitted_geometry_goes_into_the_artifact(tmp_path):
-    """``online.geometry=fitted``: the artifact stores a fitted geometry (orthonormal projection rows, fitted
+    """``released.geometry.kind=fitted``: the artifact stores a fitted geometry (orthonormal projection rows, fitted
     prototypes, the drawn rotation) and records the choice (the fit itself: test_features_v3.py)."""
-    from core_kv.core_model import CoreModel
-    from core_kv.key_geometry import KeyGeometry
+    from research.released.geometry import KeyGeometry
+    from research.released.model import ReleasedModel
 
     out = tmp_path / "run"
-    run(tiny_args(out, "online.memory=false", "online.total_steps=1", "online.indexer_steps=1",
-                  "online.geometry=fitted", "online.geometry_docs=2", "online.d_z=8", "online.num_prototypes=8"))  # fmt: skip
-    core = CoreModel.from_pretrained(out / "final")
+    run(tiny_args(out, "released.memory.train=false", "released.schedule.total_steps=1", "released.schedule.indexer_steps=1",
+                  "released.geometry.kind=fitted", "released.geometry.docs=2", "released.geometry.d_z=8", "released.geometry.num_prototypes=8"))  # fmt: skip
+    core = ReleasedModel.from_pretrained(out / "final")
     geo = core.key_geometry()
     assert core.config.teacher["geometry"] == "fitted"
     for layer in range(2):
@@ -334,11 +320,19 @@ def test_fitted_geometry_goes_into_the_artifact(tmp_path):
 def test_zero_joint_steps_record_an_untrained_memory(tmp_path):
     """With ``total_steps == indexer_steps`` the artifact recorded ``memory_trained: true`` for a memory that never
     trained (the report showed it worse than retained-only)."""
-    from core_kv.core_model import CoreModel
+    from research.released.model import ReleasedModel
 
     out = tmp_path / "run"
-    run(tiny_args(out, "online.total_steps=2", "online.indexer_steps=2", "online.stable=1", "online.decay=0"))
-    core = CoreModel.from_pretrained(out / "final")
+    run(
+        tiny_args(
+            out,
+            "released.schedule.total_steps=2",
+            "released.schedule.indexer_steps=2",
+            "released.schedule.stable=1",
+            "released.schedule.decay=0",
+        )
+    )
+    core = ReleasedModel.from_pretrained(out / "final")
     assert core.config.memory_trained is False and core.policy().for_ratio(0.75).memory is False
 
 
@@ -358,9 +352,9 @@ def test_options_the_released_recipe_never_reads_are_refused_by_name(tmp_path, o
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("option", ["online.long_len=100000", "online.short_len=9000"])
-def test_online_lengths_beyond_the_models_window_are_refused_at_once(tmp_path, option):
-    """``online.long_len=100000`` grew to 9.2 GB with no message."""
+@pytest.mark.parametrize("option", ["released.schedule.long_len=100000", "released.schedule.short_len=9000"])
+def test_released_lengths_beyond_the_models_window_are_refused_at_once(tmp_path, option):
+    """``released.schedule.long_len=100000`` (then ``online.long_len``) grew to 9.2 GB with no message."""
     from core_kv.models.loading import ContextWindowError
 
     name, value = option.split("=")

@@ -9,7 +9,7 @@ takes ``grad_accum`` sequences; for each one:
    (the tokens before the first answer token; for plain text the sequence minus the memory's 16-query tail in the
    joint stage), and its queries are the same ``n`` positions;
 2. per layer: the 14 features of spec v3 over all ``n`` queries and, from the same logits, the raw-logit utility
-   (:func:`~core_kv.features_v3.compute_features_v3`); the DRIVE teacher ``π_T`` (:mod:`core_kv.teacher.drive`);
+   (:func:`~research.released.features.compute_features_v3`); the DRIVE teacher ``π_T`` (:mod:`research.released.teacher`);
    the student's one score per token ``s`` (head-shared); the loss
    ``λ_cal KL(π_T ‖ softmax(s/τ_m)) + λ_bd · mean_r hinge_r`` with the protected sinks left out of both, the hinge at
    every budget of ``budgets`` (:func:`~core_kv.distill.losses.multi_budget_hinge`);
@@ -17,7 +17,7 @@ takes ``grad_accum`` sequences; for each one:
    queries as the event's queries, phase 1, its own DRIVE target, the hinge at the step's ratio only;
 4. in the joint stage, per layer: the prompt is compressed at the step's ratio by the student (sinks kept, scores
    detached), the evicted tokens are written to an empty fast memory with the conditional weights of
-   ``softmax(s/τ_m)`` (:mod:`core_kv.fast_memory`), and the last ``memory_tail`` queries (answer tokens when the
+   ``softmax(s/τ_m)`` (:mod:`research.released.memory`), and the last ``memory_tail`` queries (answer tokens when the
    sequence has them) are reconstructed: ``‖o* − o_R − g(q) m(q)‖²``.
 
 The step's loss is the layer mean of the indexer terms (the decode terms weighted by ``decode_weight`` in the same
@@ -26,7 +26,10 @@ mean) plus ``λ_mem`` times the layer mean of the memory terms; a micro-batch's 
 Stages (each resumable by :func:`~core_kv.distill.loop.run_stage`): ``online_indexer`` (``indexer_steps``, the
 indexer alone) then ``online_joint`` (the rest of ``total_steps``; a fresh AdamW with the indexer at
 ``joint_indexer_lr_scale`` and the memory at ``joint_memory_lr_scale`` of the schedule's rate). One WSD schedule
-spans both (:meth:`~core_kv.distill.config.OnlineConfig.lr_at` of the global step).
+spans both (:meth:`~research.released.config.ScheduleOptions.lr_at` of the global step).
+
+Importing this module registers the recipe (:func:`core_kv.distill.trainer.register_recipe`): ``recipe: released``
+with ``plugins: [research.released]`` in a train config.
 
 Shapes: H query heads, Hkv KV heads, G = H / Hkv, D head dim, T tokens, n prompt tokens, W = H·D, V = Hkv·D.
 """
@@ -44,19 +47,22 @@ from tqdm import tqdm
 
 from core_kv.budget import kept_tokens
 from core_kv.config import to_dict
-from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.loop import run_stage
-from core_kv.distill.losses import boundary_windows, masked_kl, multi_budget_hinge, pairwise_hinge
 from core_kv.distill.replay import Timer, capture
-from core_kv.distill.trainer import Trainer
-from core_kv.fast_memory import memory_mse
-from core_kv.features import spec
-from core_kv.features_v3 import ablated_names, compute_features_v3, special_mask
-from core_kv.key_geometry import KeyGeometry
+from core_kv.distill.timing import timing
+from core_kv.distill.trainer import Trainer, register_recipe
 from core_kv.models.attention import LayerQKV
 from core_kv.teacher.config import TeacherConfig
 from core_kv.teacher.docs import Doc, make_docs
-from core_kv.teacher.drive import DriveConfig, drive_teacher
+from research.released.config import ReleasedOptions, ReleasedTrainConfig
+from research.released.features import SPEC, ablated_names, compute_features_v3, special_mask
+from research.released.geometry import KeyGeometry
+from research.released.losses import boundary_windows, masked_kl, multi_budget_hinge, pairwise_hinge
+from research.released.memory import memory_mse
+from research.released.model import ReleasedConfig, ReleasedModel
+from research.released.presses import policy_candidate
+from research.released.report import format_summary, report_markdown
+from research.released.teacher import DriveConfig, drive_teacher
 
 STAGES = ("online_indexer", "online_joint")
 LONG_OFFSET = 4_000_000  # document indices of the long-sequence pool (the short pool uses 0..)
@@ -80,7 +86,7 @@ class OnlineContext:
     model: nn.Module
     geometry: KeyGeometry
     drive: DriveConfig
-    ocfg: object  # OnlineConfig
+    ocfg: ReleasedOptions
     special_ids: list[int]
     timer: Timer
     autocast: object = None
@@ -130,11 +136,11 @@ def keep_mask(scores: torch.Tensor, ratio: float, sinks: int) -> torch.Tensor:
 def single_budget_hinge(scores, p_teacher, ratio: float, o) -> torch.Tensor:
     """The boundary hinge at one ratio (the decode batch; or every step without ``all_budgets``)."""
     n = scores.shape[0]
-    s = min(o.sinks, n)
+    s = min(o.losses.sinks, n)
     eligible = torch.ones(n, dtype=torch.bool, device=scores.device)
     eligible[:s] = False
-    pos, neg = boundary_windows(p_teacher, max(s, kept_tokens(n, ratio)) - s, o.boundary_delta, eligible)
-    return pairwise_hinge(scores, pos, neg, o.boundary_margin, o.student_temperature)
+    pos, neg = boundary_windows(p_teacher, max(s, kept_tokens(n, ratio)) - s, o.losses.boundary_delta, eligible)
+    return pairwise_hinge(scores, pos, neg, o.losses.boundary_margin, o.losses.student_temperature)
 
 
 def sequence_terms(ctx: OnlineContext, indexer, memory, item: OnlineItem, joint: bool) -> dict:
@@ -145,10 +151,10 @@ def sequence_terms(ctx: OnlineContext, indexer, memory, item: OnlineItem, joint:
     ids = torch.tensor([item.doc.ids], device=dev)
     with ctx.timer("base_forward"):
         acts = capture(ctx.model, ids, ctx.autocast)
-    n, tail = prompt_split(item.doc, o.memory_tail, joint and memory is not None)
+    n, tail = prompt_split(item.doc, o.memory.tail, joint and memory is not None)
     pos = torch.arange(n, device=dev)
     special = special_mask(ids[0, :n], ctx.special_ids)
-    eligible = pos >= o.sinks
+    eligible = pos >= o.losses.sinks
     core, decode, mem, mses, kls, bds, gaps, gates, alphas, recalls = [], [], [], [], [], [], [], [], [], []
     per_layer: dict[int, tuple[float, float]] = {}  # memory layer -> (its error with memory, retained-only)
     for layer, a in enumerate(acts):
@@ -160,18 +166,18 @@ def sequence_terms(ctx: OnlineContext, indexer, memory, item: OnlineItem, joint:
             pi = drive_teacher(z, util, ctx.drive).float()
         with ctx.timer("indexer"):
             s = indexer.scores(layer, feats[None])[0]  # (n,) one score per token, shared by the KV heads
-            kl = masked_kl(pi, s, eligible, o.student_temperature)
-            if o.all_budgets:
-                bd = multi_budget_hinge(s, pi, o.budgets, o.sinks, o.boundary_delta, o.boundary_margin,
-                                        o.student_temperature)  # fmt: skip
+            kl = masked_kl(pi, s, eligible, o.losses.student_temperature)
+            if o.losses.all_budgets:
+                bd = multi_budget_hinge(s, pi, o.losses.budgets, o.losses.sinks, o.losses.boundary_delta, o.losses.boundary_margin,
+                                        o.losses.student_temperature)  # fmt: skip
             else:
                 bd = single_budget_hinge(s, pi, item.ratio, o)
-            core.append(o.lambda_cal * kl + o.lambda_bd * bd)
+            core.append(o.losses.lambda_cal * kl + o.losses.lambda_bd * bd)
             kls.append(float(kl.detach()))
             bds.append(float(bd.detach()))
-            recalls.append(_topb_recall(s.detach(), pi, item.ratio, o.sinks))
-        if item.decode and o.decode_weight > 0:
-            w = min(o.decode_window, n)
+            recalls.append(_topb_recall(s.detach(), pi, item.ratio, o.losses.sinks))
+        if item.decode and o.schedule.decode_weight > 0:
+            w = min(o.schedule.decode_window, n)
             with ctx.timer("features"):
                 dfeats, _, dutil = compute_features_v3(a.q_post[:, n - w : n], k, v, pos[n - w :], pos, n, ctx.geometry,
                                                        layer, a.scaling, 1, special, with_utility=True)  # fmt: skip
@@ -179,8 +185,8 @@ def sequence_terms(ctx: OnlineContext, indexer, memory, item: OnlineItem, joint:
                 dpi = drive_teacher(z, dutil, ctx.drive).float()
             with ctx.timer("indexer"):
                 ds = indexer.scores(layer, dfeats[None])[0]
-                dloss = o.lambda_cal * masked_kl(dpi, ds, eligible, o.student_temperature)
-                decode.append(dloss + o.lambda_bd * single_budget_hinge(ds, dpi, item.ratio, o))
+                dloss = o.losses.lambda_cal * masked_kl(dpi, ds, eligible, o.losses.student_temperature)
+                decode.append(dloss + o.losses.lambda_bd * single_budget_hinge(ds, dpi, item.ratio, o))
         if joint and memory is not None and tail > 0:
             with ctx.timer("memory"):
                 term, mse, gap, gate, alpha = _memory_term(a, memory, layer, s.detach(), n, tail, item.ratio, o)
@@ -190,9 +196,10 @@ def sequence_terms(ctx: OnlineContext, indexer, memory, item: OnlineItem, joint:
                 gaps.append(gap)
                 gates.append(gate)
                 alphas.append(alpha)
-    weight = len(core) + o.decode_weight * len(decode)
+    weight = len(core) + o.schedule.decode_weight * len(decode)
     out = {
-        "core": (torch.stack(core).sum() + o.decode_weight * (torch.stack(decode).sum() if decode else 0.0)) / weight,
+        "core": (torch.stack(core).sum() + o.schedule.decode_weight * (torch.stack(decode).sum() if decode else 0.0))
+        / weight,
         "mem": torch.stack(mem).mean() if mem else None,
         "kl": sum(kls) / len(kls),
         "bd": sum(bds) / len(bds),
@@ -227,7 +234,7 @@ def _memory_term(a: LayerQKV, memory, layer: int, scores: torch.Tensor, n: int, 
     ‖o* − ô‖² mean, ‖o* − o_R‖² mean, gate mean, α_E mean)``."""
     dev = scores.device
     t_len = a.k_post.shape[1]
-    keep = keep_mask(scores, ratio, o.sinks)  # (n,)
+    keep = keep_mask(scores, ratio, o.losses.sinks)  # (n,)
     evicted = ~keep
     qpos = torch.arange(t_len - tail, t_len, device=dev)
     kpos = torch.arange(t_len, device=dev)
@@ -237,14 +244,14 @@ def _memory_term(a: LayerQKV, memory, layer: int, scores: torch.Tensor, n: int, 
         o_full, alpha = attention_rows(a, qpos, causal, share=~readable)
         o_ret = attention_rows(a, qpos, causal & readable[None, :])
     state = memory.write_event(memory.empty_state(dev), layer, scores, evicted, a.k_post[:, :n], a.v[:, :n],
-                               o.student_temperature, o.memory_decay)  # fmt: skip
+                               o.losses.student_temperature, o.memory.decay)  # fmt: skip
     residual, gate = memory.readout_heads(state, layer, a.q_post[:, qpos], o_ret)
     gap = float((o_full - o_ret).pow(2).sum(-1).mean())
     mse = memory_mse(o_full, o_ret, residual)
     loss = mse
-    if o.memory_gate_weight > 0:
+    if o.memory.gate_weight > 0:
         g = gate.float().clamp(1e-6, 1 - 1e-6)
-        loss = mse + o.memory_gate_weight * F.binary_cross_entropy(g, alpha.float().clamp(0, 1))
+        loss = mse + o.memory.gate_weight * F.binary_cross_entropy(g, alpha.float().clamp(0, 1))
     return loss, float(mse.detach()), gap, float(gate.detach().mean()), float(alpha.mean())
 
 
@@ -265,7 +272,7 @@ class OnlineStep(nn.Module):
         rows = []
         for it in items:
             t = sequence_terms(self.ctx, self.indexer, self.memory, it, self.joint)
-            loss = t["core"] + (o.lambda_mem * t["mem"] if t["mem"] is not None else 0.0)
+            loss = t["core"] + (o.memory.weight * t["mem"] if t["mem"] is not None else 0.0)
             losses.append(loss)
             logs["tokens"] += t["tokens"]
             rows.append(t)
@@ -294,17 +301,42 @@ class _StageView:
 
 
 class ReleasedTrainer(Trainer):
-    """:class:`~core_kv.distill.trainer.Trainer` for the released recipe: no teacher dataset, a v3 artifact."""
+    """:class:`~core_kv.distill.trainer.Trainer` for the released recipe: no teacher dataset, a released artifact
+    (:class:`~research.released.model.ReleasedModel`)."""
 
     stages = STAGES
     unread = ("build_teacher", "indexer", "calibration", "memory", "write_rule", "selection", "calib_docs", "ratios",
               "eval_greedy",
               *(f"teacher.{f.name}" for f in fields(TeacherConfig) if f.name not in ("model", "data")),
               "teacher.data.min_len", "teacher.data.max_len")  # fmt: skip
+    config_class = ReleasedTrainConfig
+    policy_candidate = staticmethod(policy_candidate)
+
+    def run_stages(self, t0: float) -> dict:
+        """Train both stages, evaluate, and return the run's summary (the artifact is written by the caller)."""
+        train_online(self)
+        ev = evaluate_online(self)
+        return {
+            "recipe": "released",
+            "eval": ev,
+            "timing": timing(self.timers),
+            "parameters": self.core.num_parameters_by_part(),
+            "memory_state_bytes": self.core.memory.state_bytes(),
+            "num_processes": self.acc.num_processes,
+            "docs_per_step": self.cfg.micro_batch * self.cfg.grad_accum * self.acc.num_processes,
+            "wall_s": time.perf_counter() - t0,
+            "artifact": str(self.out / "final"),
+        }
+
+    def format_summary(self, summary: dict) -> str:
+        return format_summary(summary)
+
+    def report_markdown(self, summary: dict) -> str:
+        return report_markdown(summary)
 
     def lengths(self) -> dict[str, int]:
-        o = self.cfg.online
-        return {"online.short_len": o.short_len, "online.long_len": o.long_len} | {
+        s = self.cfg.released.schedule
+        return {"released.schedule.short_len": s.short_len, "released.schedule.long_len": s.long_len} | {
             k: v for k, v in super().lengths().items() if k != "teacher.data.max_len"
         }
 
@@ -323,69 +355,59 @@ class ReleasedTrainer(Trainer):
         from core_kv.teacher.dataset import config_hash
 
         d = to_dict(self.cfg)
-        o = dict(d["online"])
-        if not o.get("ablate_features"):  # no ablation: the same keys as runs made before the option existed
-            o.pop("ablate_features", None)
-        if o.get("geometry") == "drawn":  # the release's geometry: the same keys as before the option existed
-            o.pop("geometry", None)
-            o.pop("geometry_docs", None)
+        o = d["released"]
         base = {"fingerprint": self.fingerprint, "seed": d["seed"], "grad_accum": d["grad_accum"],
                 "micro_batch": d["micro_batch"], "train_docs": d["train_docs"],
                 "teacher": {"model": d["teacher"]["model"], "data": d["teacher"]["data"]}}  # fmt: skip
-        memory_keys = {k for k in o if k.startswith(("memory", "lambda_mem", "joint_"))}
-        first = {"previous": config_hash(base), "online": {k: v for k, v in o.items() if k not in memory_keys}}
+        schedule = {k: v for k, v in o["schedule"].items() if not k.startswith("joint_")}
+        first = {"previous": config_hash(base), "released": {**o, "memory": None, "schedule": schedule}}
         k1 = config_hash(first)
-        return {"online_indexer": k1, "online_joint": config_hash({"previous": k1, "online": o})}
+        return {"online_indexer": k1, "online_joint": config_hash({"previous": k1, "released": o})}
 
     def setup(self) -> None:
-        cfg, acc, o = self.cfg, self.acc, self.cfg.online
+        cfg, acc, o = self.cfg, self.acc, self.cfg.released
         fp = self.fingerprint
         self._docs = {}
-        if o.geometry == "fitted":
-            docs = self.length_docs(o.short_len, list(range(o.geometry_docs)))
+        if o.geometry.kind == "fitted":
+            docs = self.length_docs(o.schedule.short_len, list(range(o.geometry.docs)))
             keys: list[list[torch.Tensor]] = [[] for _ in range(fp["layers"])]
             for doc in docs:
                 for layer, a in enumerate(capture(self.model, torch.tensor([doc.ids], device=acc.device))):
                     keys[layer].append(a.k_post.float().cpu())
-            self.key_geo = KeyGeometry.fit(keys, o.d_z, o.num_prototypes, o.geometry_seed)
+            self.key_geo = KeyGeometry.fit(keys, o.geometry.d_z, o.geometry.num_prototypes, o.geometry.seed)
             self.print(
                 f"key geometry fitted on {len(docs)} training documents ({sum(len(d.ids) for d in docs)} tokens)"
             )
         else:
-            self.key_geo = KeyGeometry.draw(fp["layers"], fp["kv_heads"], fp["head_dim"], o.d_z, o.num_prototypes,
-                                            o.geometry_seed)  # fmt: skip
-        self.drive = DriveConfig(o.drive_beta, o.drive_alpha, o.drive_tau, o.drive_steps, o.teacher_temperature)
+            self.key_geo = KeyGeometry.draw(fp["layers"], fp["kv_heads"], fp["head_dim"], o.geometry.d_z,
+                                            o.geometry.num_prototypes, o.geometry.seed)  # fmt: skip
+        self.drive = o.teacher
         special = sorted(int(i) for i in (getattr(self.tok, "all_special_ids", None) or []))
-        teacher = {"recipe": "released", "drive": to_dict(self.drive), "sinks": o.sinks, "budgets": list(o.budgets),
-                   "student_temperature": o.student_temperature, "geometry": o.geometry}  # fmt: skip
-        self.core_config = CoreConfig(
+        teacher = {"recipe": "released", "drive": to_dict(self.drive), "sinks": o.losses.sinks,
+                   "budgets": list(o.losses.budgets), "student_temperature": o.losses.student_temperature,
+                   "geometry": o.geometry.kind}  # fmt: skip
+        m = o.memory
+        self.core_config = ReleasedConfig(
             num_layers=fp["layers"], num_heads=fp["heads"], num_kv_heads=fp["kv_heads"], head_dim=fp["head_dim"],
-            d_z=o.d_z, num_prototypes=o.num_prototypes, memory_dim=o.memory_dim, protected_sinks=o.sinks,
-            protected_recent=0, chunk_size=o.long_len, fingerprint=fp, feature_spec=spec(3), teacher=teacher,
-            memory_kind="fast", memory_gate_hidden=o.memory_gate_hidden, memory_decay=o.memory_decay,
-            memory_dtype=o.memory_dtype, memory_readout=o.memory_readout,
-            memory_kernel=o.memory_kernel, special_token_ids=special,
+            d_z=o.geometry.d_z, num_prototypes=o.geometry.num_prototypes, memory_dim=m.dim,
+            protected_sinks=o.losses.sinks, protected_recent=0, chunk_size=o.schedule.long_len, fingerprint=fp,
+            feature_spec=dict(SPEC), teacher=teacher, memory_gate_hidden=m.gate_hidden, memory_decay=m.decay,
+            memory_dtype=m.dtype, memory_readout=m.readout, memory_kernel=m.kernel, special_token_ids=special,
             ablated_features=ablated_names(o.ablate_features),
-            memory_trained=o.memory and o.total_steps > o.indexer_steps,  # joint steps train it
+            memory_trained=m.train and o.schedule.total_steps > o.schedule.indexer_steps,  # joint steps train it
         )  # fmt: skip
         torch.manual_seed(cfg.seed)
-        self.core = CoreModel(self.core_config)
+        self.core = ReleasedModel(self.core_config)
         self.core.memory.reset_parameters(cfg.seed)
         self.core.set_key_geometry(self.key_geo)
-        self.core.indexer.temperature.fill_(o.student_temperature)
+        self.core.indexer.temperature.fill_(o.losses.student_temperature)
         self.core.to(acc.device)
         self.autocast = acc.autocast() if acc.mixed_precision != "no" else None
-        if cfg.wandb:
-            import os
-
-            kwargs = {"mode": os.environ.get("WANDB_MODE", cfg.wandb_mode)}
-            if os.environ.get("WANDB_DIR"):
-                kwargs["dir"] = os.environ["WANDB_DIR"]
-            acc.init_trackers(cfg.wandb_project, config=to_dict(cfg), init_kwargs={"wandb": kwargs})
+        self.start_trackers()
 
     def online_context(self, name: str) -> OnlineContext:
         self.timers[name] = self.timers.get(name) or Timer(self.acc.device)
-        return OnlineContext(self.model, self.key_geo.to(self.acc.device), self.drive, self.cfg.online,
+        return OnlineContext(self.model, self.key_geo.to(self.acc.device), self.drive, self.cfg.released,
                              list(self.core_config.special_token_ids), self.timers[name], self.autocast)  # fmt: skip
 
     def length_docs(self, length: int, indices: list[int]) -> list[Doc]:
@@ -399,37 +421,39 @@ class ReleasedTrainer(Trainer):
 
     def online_items(self, first_step: int, steps: int) -> list[OnlineItem]:
         """The fixed global data order of global steps ``first_step + 1 .. first_step + steps``."""
-        cfg, o = self.cfg, self.cfg.online
+        cfg, o = self.cfg, self.cfg.released
         per = cfg.grad_accum * cfg.micro_batch * self.acc.num_processes
         items = []
         for step in range(first_step + 1, first_step + steps + 1):
-            length = o.seq_len(step)
-            base = LONG_OFFSET if length == o.long_len and o.long_len != o.short_len else 0
+            length = o.schedule.seq_len(step)
+            base = LONG_OFFSET if length == o.schedule.long_len and o.schedule.long_len != o.schedule.short_len else 0
             idx = [base + ((step - 1) * per + j) % cfg.train_docs for j in range(per)]
-            ratio, decode = o.ratio_at(cfg.seed, step), o.decode_at(step)
+            ratio, decode = o.ratio_at(cfg.seed, step), o.schedule.decode_at(step)
             items += [OnlineItem(d, step, ratio, decode) for d in self.length_docs(length, idx)]
         return items
 
 
 def train_online(tr: ReleasedTrainer) -> None:
     """Stage ``online_indexer`` then ``online_joint`` (each resumable; a finished stage is loaded, not retrained)."""
-    o = tr.cfg.online
+    o = tr.cfg.released
     idx, mem = tr.core.indexer, tr.core.memory
-    steps1 = o.indexer_steps if o.memory else o.total_steps
+    steps1 = o.schedule.indexer_steps if o.memory.train else o.schedule.total_steps
     done1 = tr.stage_file("online_indexer").is_file()
     items = [] if done1 else tr.online_items(0, steps1)
     step = OnlineStep(idx, mem, tr.online_context("online_indexer"), joint=False)
     run_stage(tr, "online_indexer", step, lambda: dict(idx.named_parameters()), items, steps1,
-              _StageView(o, 0, {"": 1.0}), tr.cfg.micro_batch)  # fmt: skip
-    if not o.memory:
+              _StageView(o.schedule, 0, {"": 1.0}), tr.cfg.micro_batch)  # fmt: skip
+    if not o.memory.train:
         return
-    steps2 = o.total_steps - steps1
+    steps2 = o.schedule.total_steps - steps1
     items = [] if tr.stage_file("online_joint").is_file() else tr.online_items(steps1, steps2)
     step = OnlineStep(idx, mem, tr.online_context("online_joint"), joint=True)
-    scales = {"indexer.": o.joint_indexer_lr_scale, "memory.": o.joint_memory_lr_scale}
+    scales = {"indexer.": o.schedule.joint_indexer_lr_scale, "memory.": o.schedule.joint_memory_lr_scale}
     params = lambda: {**{f"indexer.{k}": v for k, v in idx.named_parameters()},  # noqa: E731
                       **{f"memory.{k}": v for k, v in mem.named_parameters()}}  # fmt: skip
-    run_stage(tr, "online_joint", step, params, items, steps2, _StageView(o, steps1, scales), tr.cfg.micro_batch)
+    run_stage(
+        tr, "online_joint", step, params, items, steps2, _StageView(o.schedule, steps1, scales), tr.cfg.micro_batch
+    )
 
 
 @torch.no_grad()
@@ -439,9 +463,9 @@ def evaluate_online(tr: ReleasedTrainer) -> dict:
     cfg, acc = tr.cfg, tr.acc
     ctx = tr.online_context("eval")
     mine = [i for i in range(cfg.eval_docs) if i % acc.num_processes == acc.process_index]
-    docs = tr.length_docs(cfg.online.short_len, [EVAL_OFFSET + i for i in mine])
+    docs = tr.length_docs(cfg.released.schedule.short_len, [EVAL_OFFSET + i for i in mine])
     rows = []
-    memory = tr.core.memory if cfg.online.memory else None
+    memory = tr.core.memory if cfg.released.memory.train else None
     for doc in tqdm(docs, desc="eval", disable=not (cfg.progress and acc.is_local_main_process)):
         for ratio in cfg.eval_ratios:
             t = sequence_terms(ctx, tr.core.indexer, memory, OnlineItem(doc, 0, ratio, False), joint=True)
@@ -484,22 +508,6 @@ def _column_mean(rows: list[dict]):
     return mean
 
 
-def released_summary(tr: ReleasedTrainer, t0: float) -> dict:
-    """Train both stages, evaluate, and return the run's summary (the artifact is written by the caller)."""
-    train_online(tr)
-    ev = evaluate_online(tr)
-    from core_kv.distill.timing import timing
-
-    return {
-        "recipe": "released",
-        "eval": ev,
-        "timing": timing(tr.timers),
-        "parameters": tr.core.num_parameters_by_part(),
-        "memory_state_bytes": tr.core.memory.state_bytes(),
-        "num_processes": tr.acc.num_processes,
-        "docs_per_step": tr.cfg.micro_batch * tr.cfg.grad_accum * tr.acc.num_processes,
-        "wall_s": time.perf_counter() - t0,
-    }
-
+register_recipe("released", ReleasedTrainer)
 
 __all__ = ["STAGES", "OnlineItem", "OnlineStep", "ReleasedTrainer", "evaluate_online", "train_online"]

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from core_kv.distill.losses import boundary_windows, masked_kl, multi_budget_hinge, pairwise_hinge
+from research.released.losses import boundary_windows, masked_kl, multi_budget_hinge, pairwise_hinge
 
 
 def test_boundary_windows_by_hand():
