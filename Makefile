@@ -41,7 +41,7 @@ test-slow: $(STAMP)
 
 # the diagnostics of research/ (outside the product package; not imported by the default tests)
 test-research: $(STAMP)
-	$(BIN)/python -m pytest -q research/tests
+	$(BIN)/python -m pytest -q research/tests research/released/tests
 
 eval: $(STAMP)
 	$(BIN)/python eval.py $(ARGS)

@@ -26,7 +26,7 @@ The run prints a table per benchmark and ends with where the report (``<output_d
 import sys
 import textwrap
 
-from core_kv.config import load_config, shipped_configs
+from core_kv.config import import_plugins, load_config, shipped_configs
 from core_kv.eval.benchmarks import BENCHMARKS
 from core_kv.eval.runner import DEFAULT_CORE_CHECKPOINT, EvalConfig, run_eval
 from core_kv.models.loading import PROXY_PATH
@@ -51,9 +51,15 @@ def usage() -> str:
     ])  # fmt: skip
 
 
+def with_plugins(raw) -> type[EvalConfig]:
+    """The config's ``plugins`` imported first (each registers its presses), then :class:`EvalConfig`."""
+    import_plugins(raw)
+    return EvalConfig
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = load_config(EvalConfig, argv, usage=usage() if {"-h", "--help"} & set(argv) else __doc__)
+    cfg = load_config(EvalConfig, argv, usage() if {"-h", "--help"} & set(argv) else __doc__, resolve=with_plugins)
     results = run_eval(cfg)
     if results.markdown:
         print(results.markdown)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import importlib
 import inspect
 import math
 import numbers
@@ -99,6 +100,20 @@ def load_config(
         _LOADING.reset(token)
     check_config(cfg)
     return cfg  # type: ignore[return-value]
+
+
+def import_plugins(raw: Any, name: str = "plugins") -> list[str]:
+    """Import the modules a config's ``plugins`` lists in ``raw`` (its YAML files and overrides, before they are
+    read into a schema): a plugin registers what it adds (presses, artifact kinds, recipes). For ``resolve``."""
+    plugins = raw.get(name) or []
+    if isinstance(plugins, str) or not all(isinstance(p, str) for p in plugins):
+        raise ConfigError(f"{name} must be a list of module names, got {plugins!r}")
+    for module in plugins:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"{name}: cannot import {module!r} ({e}); run from the repository root") from None
+    return list(plugins)
 
 
 def _offending_key(base: DictConfig, layer: DictConfig, prefix: str = "") -> str | None:

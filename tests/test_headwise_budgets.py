@@ -22,12 +22,10 @@ from core_kv.presses.adakv import AdaKVPress
 from core_kv.teacher.geometry import fit_geometry
 
 N = 200
-# core_released_scorer (spec v3) scores one candidate set per layer and refuses head-wise budgets
-# (tests/test_released_press.py)
 SCORERS = sorted(
     name for name, cls in PRESSES.items()
     if issubclass(cls, ScorerPress) and not cls.needs_attentions
-    and name not in ("adakv", "adakv_expected_attention", "core_released_scorer")
+    and name not in ("adakv", "adakv_expected_attention")
 )  # fmt: skip
 
 HEAD_SHARED = {"streaming_llm", "tova"}  # scores shared by every KV head: AdaKV's split stays even

@@ -192,7 +192,7 @@ GATE_PARAMS = ("gate_w", "gate_b")
 def _param_groups(module, scfg) -> list[dict]:
     """AdamW groups of a stage's trainable parameters, each with its ``lr_scale`` relative to ``scfg.lr``: the
     memory gate's scalars get ``scfg.gate_lr`` (``MemoryStage``), everything else ``scfg.lr``; a stage with
-    ``group_scales`` ({name prefix: scale}, the released recipe's joint stage) scales each prefix's parameters."""
+    ``group_scales`` ({name prefix: scale}, e.g. ``research.released``'s joint stage) scales each prefix's parameters."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     scales = getattr(scfg, "group_scales", None)
     if scales:

@@ -34,7 +34,6 @@ calibration, memory), :mod:`~core_kv.distill.evaluate` (held-out evaluation), :m
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -47,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from core_kv.config import ConfigError, to_dict
+from core_kv.config import ConfigError, import_plugins, to_dict
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.config import TrainConfig
 from core_kv.distill.context import RunContext
@@ -463,12 +462,5 @@ def train_schema(raw) -> type[TrainConfig]:
     """The config schema of a train config's YAML and overrides ``raw`` (a mapping, before it is checked): import
     its ``plugins`` (each registers its recipes), then the ``recipe``'s ``config_class``
     (:func:`core_kv.config.load_config`'s ``resolve``)."""
-    plugins = raw.get("plugins") or []
-    if isinstance(plugins, str) or not all(isinstance(p, str) for p in plugins):
-        raise ConfigError(f"plugins must be a list of module names, got {plugins!r}")
-    for module in plugins:
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ConfigError(f"plugins: cannot import {module!r} ({e}); run from the repository root") from None
+    import_plugins(raw)
     return recipe(raw.get("recipe") or "replay").config_class

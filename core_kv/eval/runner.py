@@ -162,6 +162,8 @@ class EvalConfig:
             Default 1: for the small models of CPU runs on a shared machine, 1 thread measured 40x faster than 2
             contending ones (157 s vs 4 s per RULER cell); raise it for a big model on an idle many-core CPU. GPU
             runs barely use CPU threads.
+        plugins: Modules ``eval.py`` imports before reading the rest of the config: a plugin registers its presses
+            (``research.released``: ``core_released``, for its artifacts; ``research.certificate``: ``core_certified``).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -180,6 +182,7 @@ class EvalConfig:
     plots: bool = True
     reference_floor: float | None = option(REFERENCE_FLOOR, ge=0)
     cpu_threads: int | None = option(1, ge=1)
+    plugins: list[str] = option(factory=list)
 
     def __post_init__(self):
         check_on_init(self)

@@ -2,7 +2,7 @@
 
 The CORE authors' release scores each token once per layer, shared by the layer's KV heads (GitHub
 ``zhutizi23-coder/CORE`` ``core/indexer.py``; notes ``../shared/research/anchors_turn3.md`` §5; our spec-v3 scorer,
-:mod:`core_kv.presses.released_scorer`), while core_kv's reconstruction from the paper
+``research/released/presses.py``), while core_kv's reconstruction from the paper
 (``../shared/papers/002_8a6c3448532074fc.txt``; ``../shared/design/CORE.md``, our v2 indexer) scores each KV head. This
 wrapper turns any per-head scorer into a head-shared one at
 inference, so the choice can be measured one at a time on the same trained scorer (issue 44; ``docs/method.md``

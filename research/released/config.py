@@ -37,8 +37,8 @@ class GeometryOptions:
     Args:
         seed: Seed of the fixed projection, prototypes and rotation.
         kind: ``drawn`` (the release: fixed random maps) or ``fitted`` (projection by PCA and prototypes by spherical
-            k-means on the keys of the first ``docs`` training documents, :meth:`~research.released.geometry.
-            KeyGeometry.fit`; the one-choice ablation of core_kv's fitted geometry).
+            k-means on the keys of the first ``docs`` training documents, ``KeyGeometry.fit``; the one-choice
+            ablation of core_kv's fitted geometry).
         docs: Calibration documents of the fitted geometry (``schedule.short_len`` tokens each).
         d_z, num_prototypes: Projected key width and prototype count (64, 64).
     """

@@ -1,4 +1,4 @@
-"""Feature spec v3 (core_kv/features_v3.py, core_kv/key_geometry.py) against naive, unstreamed references."""
+"""Feature spec v3 (research/released/features.py, geometry.py) against naive, unstreamed references."""
 
 from __future__ import annotations
 
