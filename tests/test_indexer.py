@@ -89,6 +89,28 @@ def test_other_base_model_is_refused(artifact):
         CoreModel.from_pretrained(path, base_model=tiny_model("qwen3"))
 
 
+def test_an_artifact_of_an_unimported_plugin_names_its_model_type_and_module(artifact, tmp_path, monkeypatch):
+    """Artifact kinds are chosen by ``model_type`` (``load_artifact``); a kind whose plugin is not imported is refused
+    naming the model_type and the module its config.json records; a CORE artifact loads through the registry."""
+    import json
+    import shutil
+
+    import core_kv.core_model as cm
+
+    _, path = artifact
+    assert isinstance(cm.load_artifact(path), CoreModel)
+    other = tmp_path / "released"
+    shutil.copytree(path, other)
+    stored = json.loads((other / "config.json").read_text())
+    stored.update(model_type="core_kv_released", plugin="research.released")
+    (other / "config.json").write_text(json.dumps(stored))
+    monkeypatch.setattr(cm, "ARTIFACTS", {"core_kv": CoreModel})  # as in a process that imported no plugin
+    for load in (cm.load_artifact, CoreModel.from_pretrained):
+        with pytest.raises(ValueError, match=r"model_type 'core_kv_released' is defined by the plugin module "
+                                             r"'research.released'.*`import research.released`"):  # fmt: skip
+            load(other)
+
+
 def test_config_rejects_unknown_write_rule():
     with pytest.raises(ValueError, match="write_rule"):
         CoreConfig(write_rule="average")

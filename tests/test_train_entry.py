@@ -228,6 +228,22 @@ def test_shipped_yaml_loads(path):
     check_unread(cfg, recipe(cfg.recipe).unread)  # sets none it never reads
 
 
+def test_a_plugin_recipe_without_its_plugin_names_the_option_and_the_fix(monkeypatch):
+    """``recipe: released`` (the research plugin's) without ``plugins: [research.released]`` is refused at load,
+    naming the option and how to enable it; the base Trainer knows no other recipe."""
+    from core_kv.config import load_config
+    from core_kv.distill import trainer
+    from core_kv.distill.config import TrainConfig
+
+    monkeypatch.setattr(trainer, "RECIPES", {"replay": trainer.Trainer})  # as in a run that imported no plugin
+    with pytest.raises(ValueError, match=r"recipe: 'released' is not registered .*plugins: \[research.released\]"):
+        load_config(TrainConfig, ["recipe=released"], resolve=trainer.train_schema)
+    with pytest.raises(ValueError, match=r"recipe: 'released' is not the recipe of this config schema"):
+        load_config(TrainConfig, ["recipe=released"])  # read without the resolver: the schema's own check
+    with pytest.raises(ValueError, match=r"plugins: cannot import 'no_such_plugin'"):
+        load_config(TrainConfig, ["plugins=[no_such_plugin]"], resolve=trainer.train_schema)
+
+
 def test_memory_gate_scalars_train_at_their_own_learning_rate(reference):
     """Adam moves a parameter by at most ~lr per step, so the gate's init (gate_b = -2, gate_w = [0, 1, -1, 0]) can
     only move by more than memory.lr x steps if ``memory.gate_lr`` reaches the optimizer; W_phi stays bounded by
