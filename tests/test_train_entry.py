@@ -219,7 +219,6 @@ def test_deepspeed_zero2_two_cpu_processes_match_one(tmp_path, teacher_dir):
 def test_shipped_yaml_loads(path):
     from core_kv.config import load_config
     from core_kv.distill.config import TrainConfig
-
     from core_kv.distill.trainer import check_unread, recipe, train_schema
 
     cfg = load_config(TrainConfig, [str(path)], resolve=train_schema)

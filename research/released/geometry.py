@@ -15,7 +15,7 @@ The draws are ours (``torch.Generator`` streams seeded by ``geometry_seed``), no
 maps have the same distribution, not the same numbers. They are stored in every artifact, so an artifact never
 depends on redrawing them.
 
-**Fitted** (:meth:`KeyGeometry.fit`; not in the release: the one-choice ablation of issue 44, ``online.geometry=fitted``).
+**Fitted** (:meth:`KeyGeometry.fit`; not in the release: the one-choice ablation of issue 44, ``released.geometry.kind=fitted``).
 The same three maps, the first two fitted to keys of the base model, as core_kv's v2 geometry is (per-head PCA and
 spherical k-means, :mod:`core_kv.teacher.geometry`), in the release's head-shared form so that every feature and the
 artifact format stay as they are: ``P_l`` = the top ``d_z`` principal directions of ``k̄`` (eigenvectors of its

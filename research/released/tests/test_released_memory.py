@@ -1,4 +1,4 @@
-"""The released memory (core_kv/fast_memory.py) against the expanded (unfolded) formulas written out."""
+"""The released memory (research/released/memory.py) against the expanded (unfolded) formulas written out."""
 
 from __future__ import annotations
 

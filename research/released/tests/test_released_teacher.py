@@ -1,4 +1,4 @@
-"""The released teacher (core_kv/teacher/drive.py): utility and the DRIVE fixed point against direct loops."""
+"""The released teacher (research/released/teacher.py): utility and the DRIVE fixed point against direct loops."""
 
 from __future__ import annotations
 

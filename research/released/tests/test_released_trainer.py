@@ -299,7 +299,7 @@ def test_stage_keys_follow_the_options_each_stage_reads():
 
 def test_fitted_geometry_goes_into_the_artifact(tmp_path):
     """``released.geometry.kind=fitted``: the artifact stores a fitted geometry (orthonormal projection rows, fitted
-    prototypes, the drawn rotation) and records the choice (the fit itself: test_features_v3.py)."""
+    prototypes, the drawn rotation) and records the choice (the fit itself: test_released_features.py)."""
     from research.released.geometry import KeyGeometry
     from research.released.model import ReleasedModel
 
