@@ -102,7 +102,7 @@ def build_artifact(model, folder: Path, feature_spec: int = 1) -> Path:
     of spec ``feature_spec`` (cost depends on the spec: v2 adds the O(N²) twin counts)."""
     from core_kv.core_model import CoreConfig, CoreModel
     from core_kv.distill.replay import capture
-    from core_kv.geometry import model_fingerprint
+    from core_kv.models.fingerprint import model_fingerprint
     from core_kv.teacher.geometry import fit_geometry
 
     ids = torch.randint(3, model.config.vocab_size, (1, 1024), generator=torch.Generator().manual_seed(0))

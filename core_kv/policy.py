@@ -267,7 +267,8 @@ class InferencePolicy:
         return cls([Band(1.0, options, 0.75)], **record)
 
 
-TASKS = ("single_noise", "single_prose", "multikey_prose", "multivalue_noise")  # core_kv.eval.validation's
+# The validation prompts' tasks (built by core_kv.eval.validation, which the policy stage runs; named here, below both)
+VALIDATION_TASKS = ("single_noise", "single_prose", "multikey_prose", "multivalue_noise")
 MIN_SEED = 1000  # validation seeds start here; evaluation seeds (RULER 42-46, held-out needles 7...) lie below
 
 
@@ -291,7 +292,7 @@ class PolicyStageConfig:
     Args:
         enabled: Run the stage (``false``: the artifact keeps no policy, i.e. runs the paper's press).
         ratios: Validation ratios; each gets its band (edges halfway between them, :func:`bands_from_choices`).
-        tasks: Validation tasks (:data:`TASKS`).
+        tasks: Validation tasks (:data:`VALIDATION_TASKS`).
         length: Context tokens per validation prompt.
         per_task: Prompts per task (the same prompts for every candidate and ratio).
         seed: Validation seed (>= :data:`MIN_SEED`).
@@ -301,7 +302,7 @@ class PolicyStageConfig:
 
     enabled: bool = True
     ratios: list[float] = field(default_factory=lambda: [0.5, 0.75, 0.9])
-    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    tasks: list[str] = field(default_factory=lambda: list(VALIDATION_TASKS))
     length: int = 2048
     per_task: int = 5
     seed: int = MIN_SEED
@@ -315,9 +316,9 @@ class PolicyStageConfig:
             )
         if len(set(self.ratios)) != len(self.ratios):
             raise ValueError(f"{prefix}ratios has duplicates: {self.ratios}")
-        bad = [t for t in self.tasks if t not in TASKS]
+        bad = [t for t in self.tasks if t not in VALIDATION_TASKS]
         if not self.tasks or bad:
-            raise ValueError(f"{prefix}tasks must be a non-empty subset of {list(TASKS)}, got {self.tasks}")
+            raise ValueError(f"{prefix}tasks must be a non-empty subset of {list(VALIDATION_TASKS)}, got {self.tasks}")
         for name, low in (("length", 64), ("per_task", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -361,6 +362,6 @@ def bands_from_choices(choices: dict[float, PolicyOptions]) -> list[Band]:
 
 
 __all__ = [
-    "HEAD_BUDGETS", "HEAD_POOLS", "MIN_SEED", "PAPER", "TASKS", "Band", "InferencePolicy", "PolicyOptions",
+    "HEAD_BUDGETS", "HEAD_POOLS", "MIN_SEED", "PAPER", "VALIDATION_TASKS", "Band", "InferencePolicy", "PolicyOptions",
     "PolicyStageConfig", "bands_from_choices", "candidate_grid", "complexity",
 ]  # fmt: skip

@@ -35,13 +35,13 @@ def train(cfg) -> dict:
 
 def choose_policy(cfg, summary: dict) -> dict:
     """The policy stage on ``<out_dir>/final`` (skipped, with a note, for a base model without a tokenizer)."""
-    from core_kv.teacher.docs import load_model
+    from core_kv.models.loading import load_from_spec
 
     out = Path(cfg.out_dir)
     artifact = out / "final"  # (summary["artifact"] is where it was trained, maybe another folder)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    model, tok = load_model(cfg.teacher.model, "cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_from_spec(cfg.teacher.model, "cuda" if torch.cuda.is_available() else "cpu")
     if tok is None:  # a random-init base model without a tokenizer (tests, benchmarks): no prompts to validate on
         print("[policy] skipped: the base model has no tokenizer (teacher.model.tokenizer); the artifact keeps no "
               "policy (the paper's press)", flush=True)  # fmt: skip

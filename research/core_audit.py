@@ -27,10 +27,10 @@ import torch
 
 
 def documents(tokenizer, length: int, count: int) -> list[torch.Tensor]:
-    from core_kv.eval.fidelity import _held_out_essays
+    from core_kv.corpus import held_out_texts
 
     docs = []
-    for _, text in _held_out_essays():
+    for _, text in held_out_texts():
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) >= length:
             docs.append(torch.tensor([ids[:length]]))

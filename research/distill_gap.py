@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from core_kv.budget import budget_split, protected_mask, top_free
-from core_kv.distill.loop import lr_at
 from core_kv.distill.losses import kl_to_teacher, topb_boundary_bce, topb_overlap
 from core_kv.features import NUM_FEATURES
 from core_kv.indexer import HIDDEN, CoreIndexer
 from core_kv.nystrom import normalised_beta_b
+from core_kv.schedules import warmup_cosine
 from core_kv.teacher.dataset import MANIFEST
 from core_kv.teacher.metrics import set_quality
 
@@ -195,7 +195,6 @@ def set_obs_window(w: int) -> None:
     import core_kv.distill.replay
     import core_kv.features
     import core_kv.teacher.config
-    import core_kv.teacher.docs
     import core_kv.teacher.run
 
     for m in (
@@ -203,7 +202,6 @@ def set_obs_window(w: int) -> None:
         core_kv.teacher.run,
         core_kv.distill.replay,
         core_kv.teacher.config,
-        core_kv.teacher.docs,
     ):
         m.OBS_WINDOW = w
 
@@ -327,7 +325,7 @@ def train(
 
     for step in range(steps):
         for gr in opt.param_groups:
-            gr["lr"] = lr_at(step, steps, lr, warm)
+            gr["lr"] = warmup_cosine(step, steps, lr, warm)
         batch = [pool[i] for i in seq[step * per_micro : (step + 1) * per_micro]]
         losses = []
         for j, it in enumerate(batch):

@@ -54,9 +54,11 @@ def main(argv: list[str] | None = None) -> dict:
     from core_kv.distill.config import TrainConfig
     from core_kv.distill.evaluate import EVAL_OFFSET
     from core_kv.distill.replay import ReplaySpec, capture, replay_layer
+    from core_kv.documents import make_docs
+    from core_kv.models.loading import load_from_spec
     from core_kv.nystrom import normalised_beta_b
     from core_kv.presses import build_press
-    from core_kv.teacher.docs import event_times, load_model, make_docs
+    from core_kv.teacher.config import event_times
     from core_kv.teacher.metrics import set_quality
 
     torch.set_num_threads(args.threads)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not (run / "config.yaml").is_file() or not (run / "final").is_dir():
         raise SystemExit(f"--run {run}: expected a train.py run folder with config.yaml and final/")
     cfg = load_config(TrainConfig, [str(run / "config.yaml")])
-    model, tok = load_model(cfg.teacher.model, torch.device("cpu"))
+    model, tok = load_from_spec(cfg.teacher.model, torch.device("cpu"))
     core = CoreModel.from_pretrained(run / "final", base_model=model)
     geometry, idx = core.geometry(), core.indexer
     spec = ReplaySpec.from_teacher(

@@ -15,8 +15,8 @@ from transformers import DynamicCache
 
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer
-from core_kv.geometry import FingerprintMismatch, model_fingerprint
 from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
+from core_kv.models.fingerprint import FingerprintMismatch, model_fingerprint
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from core_kv.presses.adakv import AdaKVPress

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from core_kv.geometry import FingerprintMismatch, model_fingerprint
 from core_kv.models.cache import layer_lengths
+from core_kv.models.fingerprint import FingerprintMismatch, model_fingerprint
 from core_kv.models.loading import load_model
 from core_kv.presses import build_press
 

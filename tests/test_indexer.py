@@ -10,8 +10,8 @@ import torch
 from core_kv.budget import protected_mask, top_free
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.features import FeatureStats
-from core_kv.geometry import FingerprintMismatch, model_fingerprint
 from core_kv.indexer import CoreIndexer, indexer_mlp
+from core_kv.models.fingerprint import FingerprintMismatch, model_fingerprint
 from core_kv.teacher.geometry import fit_geometry
 
 

@@ -48,16 +48,16 @@ OFFICIAL_MAXLEN = {
 
 
 def test_task_tables_are_consistent():
-    assert len(longbench.TASKS) == 16 and len(set(longbench.TASKS)) == 16
-    assert sorted(t for ts in longbench.CATEGORIES.values() for t in ts) == sorted(longbench.TASKS)
+    assert len(longbench.LONGBENCH_TASKS) == 16 and len(set(longbench.LONGBENCH_TASKS)) == 16
+    assert sorted(t for ts in longbench.CATEGORIES.values() for t in ts) == sorted(longbench.LONGBENCH_TASKS)
     assert longbench.MAX_NEW_TOKENS == OFFICIAL_MAXLEN
     for table in (longbench.METRIC, longbench.CONTEXT_TEMPLATE, longbench.QUESTION_TEMPLATE, longbench.ANSWER_PREFIX):
-        assert set(table) == set(longbench.TASKS)
+        assert set(table) == set(longbench.LONGBENCH_TASKS)
     assert all(m in scorers.METRICS for m in longbench.METRIC.values())
     assert {t for t, m in longbench.METRIC.items() if m.endswith("_first_line")} == {"trec", "triviaqa", "samsum"}
 
 
-@pytest.mark.parametrize("task", longbench.TASKS)
+@pytest.mark.parametrize("task", longbench.LONGBENCH_TASKS)
 def test_split_concatenates_to_the_official_prompt(task):
     suffix = {"trec": "\nType:", "triviaqa": "\nAnswer:", "samsum": "\nSummary:"}.get(task, "")
     row = {"context": "CTX {not a field}\nline two", "input": "What is {x}?" + suffix}

@@ -25,7 +25,7 @@ OFFICIAL_PROMPTS = {
 
 
 def test_task_tables():
-    assert loogle.TASKS == ("shortdep_qa", "longdep_qa", "shortdep_cloze", "longdep_summarization")
+    assert loogle.LOOGLE_TASKS == ("shortdep_qa", "longdep_qa", "shortdep_cloze", "longdep_summarization")
     assert loogle.MAX_NEW_TOKENS == {
         "shortdep_qa": 300,
         "longdep_qa": 500,
@@ -35,7 +35,7 @@ def test_task_tables():
     assert all(m in scorers.METRICS for ms in loogle.TASK_METRICS.values() for m in ms)
 
 
-@pytest.mark.parametrize("task", loogle.TASKS)
+@pytest.mark.parametrize("task", loogle.LOOGLE_TASKS)
 def test_split_matches_the_official_prompt(task):
     doc = "Doc with {braces} and\nlines."
     pairs = "none" if task == "longdep_summarization" else repr([{"Q": "Who {is} it?", "A": "x", "S": []}])
@@ -53,7 +53,7 @@ def test_split_matches_the_official_prompt(task):
 
 def test_load_fixtures_through_the_real_parser():
     samples = load_loogle(source=FIXTURES)
-    counts = {t: sum(s.task == t for s in samples) for t in loogle.TASKS}
+    counts = {t: sum(s.task == t for s in samples) for t in loogle.LOOGLE_TASKS}
     assert counts == {"shortdep_qa": 2, "longdep_qa": 1, "shortdep_cloze": 2, "longdep_summarization": 1}
     for s in samples:
         assert s.benchmark == "loogle" and s.max_new_tokens == loogle.MAX_NEW_TOKENS[s.task]

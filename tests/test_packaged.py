@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from core_kv.geometry import model_fingerprint
 from core_kv.models import packaged
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.models.loading import load_model, model_label
 from core_kv.models.packaged import STAMP, PackagedModelError, canonical_name, ensure_converted
 
@@ -78,10 +78,9 @@ def test_load_by_name_round_trips_fingerprint_and_tokenizer(smollm2):
 
 
 def test_teacher_model_spec_accepts_the_name(smollm2):
-    from core_kv.teacher.config import ModelSpec
-    from core_kv.teacher.docs import load_model as teacher_load
+    from core_kv.models.loading import ModelSpec, load_from_spec
 
-    model, tok = teacher_load(ModelSpec(path=NAME), torch.device("cpu"))
+    model, tok = load_from_spec(ModelSpec(path=NAME), torch.device("cpu"))
     assert model_fingerprint(model) == SMOLLM2_FINGERPRINT and len(tok) == 49152
 
 

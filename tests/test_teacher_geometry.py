@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core_kv.geometry import FingerprintMismatch, Geometry
+from core_kv.geometry import Geometry
+from core_kv.models.fingerprint import FingerprintMismatch
 from core_kv.nystrom import rbf
 from core_kv.teacher.geometry import fit_geometry, spherical_kmeans
 

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from core_kv.config import load_config
+from core_kv.documents import make_docs
 from core_kv.features import NUM_FEATURES
+from core_kv.geometry import Geometry
+from core_kv.models.loading import load_from_spec
 from core_kv.teacher.__main__ import main
-from core_kv.teacher.config import TeacherConfig
+from core_kv.teacher.config import TeacherConfig, event_times
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch
-from core_kv.teacher.docs import event_times, load_model, make_docs
 
 TINY = [
     "model.random_init=true",
@@ -63,14 +65,15 @@ def test_run_writes_a_complete_dataset(one_proc, capsys):
         torch.testing.assert_close(r.p_star.sum(-1), torch.ones(2), atol=1e-5, rtol=0)
         assert r.budgets.tolist() == [n // 4, n // 10]
     assert ds.feature_stats().mean.shape == (2, 2, NUM_FEATURES)
-    assert ds.geometry().prototypes.shape == (2, 2, 64, 8)  # d_z = min(64, head_dim 8)
+    geometry = Geometry.load(ds.geometry_path, ds.manifest["fingerprint"])
+    assert geometry.prototypes.shape == (2, 2, 64, 8)  # d_z = min(64, head_dim 8)
 
 
 def test_utility_matches_model_attention(one_proc):
     """π_U from the hooks equals the eager model's own attention weights, averaged as the design says."""
     out, _ = one_proc
     cfg = load_config(TeacherConfig, [*TINY, "model.attn_implementation=eager"])
-    model, _ = load_model(cfg.model, torch.device("cpu"))
+    model, _ = load_from_spec(cfg.model, torch.device("cpu"))
     doc = make_docs(cfg.data, [1], None)[0]  # odd index: has a question/answer tail
     with torch.no_grad():
         att = model(torch.tensor([doc.ids]), output_attentions=True).attentions  # per layer (1, H, T, T)
@@ -94,7 +97,7 @@ def test_max_pooled_utility_matches_model_attention(tmp_path):
     main([*TINY, f"out_dir={out}", "data.num_docs=2", "utility_pool=max", "metrics=false"])
     assert TeacherDataset(out).manifest["teacher"]["utility_pool"] == "max"
     cfg = load_config(TeacherConfig, [*TINY, "model.attn_implementation=eager"])
-    model, _ = load_model(cfg.model, torch.device("cpu"))
+    model, _ = load_from_spec(cfg.model, torch.device("cpu"))
     doc = make_docs(cfg.data, [1], None)[0]
     with torch.no_grad():
         att = model(torch.tensor([doc.ids]), output_attentions=True).attentions
@@ -108,8 +111,8 @@ def test_max_pooled_utility_matches_model_attention(tmp_path):
 def test_reader_refuses_mismatches(one_proc, tmp_path):
     out, _ = one_proc
     cfg = load_config(TeacherConfig, TINY)
-    model, _ = load_model(cfg.model, torch.device("cpu"))
-    from core_kv.geometry import model_fingerprint
+    model, _ = load_from_spec(cfg.model, torch.device("cpu"))
+    from core_kv.models.fingerprint import model_fingerprint
 
     fp = model_fingerprint(model)
     TeacherDataset(out, fingerprint=fp, teacher={"lam": 1.0, "steps": 8})  # matches

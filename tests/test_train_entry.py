@@ -92,8 +92,7 @@ def reference(tmp_path_factory, teacher_dir) -> Path:
 
 def test_folder_listing_and_artifact(reference):
     from core_kv.core_model import CoreModel
-    from core_kv.teacher.config import ModelSpec
-    from core_kv.teacher.docs import load_model
+    from core_kv.models.loading import ModelSpec, load_from_spec
 
     assert sorted(p.name for p in (reference / "final").iterdir()) == ["config.json", "model.safetensors"]
     assert {"state", "stages", "final", "summary.json", "config.yaml"} <= {p.name for p in reference.iterdir()}
@@ -103,7 +102,7 @@ def test_folder_listing_and_artifact(reference):
     for stage in ("indexer_warmup", "indexer", "memory"):
         steps = sorted(p.name for p in (reference / "state" / stage).iterdir())
         assert steps[-1].startswith("step_") and len(steps) <= 2  # keep_last = 2, no temporary folders left
-    base, _ = load_model(
+    base, _ = load_from_spec(
         ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128), "cpu"
     )
     core = CoreModel.from_pretrained(reference / "final", base_model=base)
@@ -120,7 +119,7 @@ def test_folder_listing_and_artifact(reference):
 
 def test_artifact_refuses_other_base_model(reference, llama):
     from core_kv.core_model import CoreModel
-    from core_kv.geometry import FingerprintMismatch
+    from core_kv.models.fingerprint import FingerprintMismatch
 
     other = __import__("conftest").tiny_model("llama", seed=3)
     with pytest.raises(FingerprintMismatch, match="k_proj_digest"):
@@ -415,9 +414,8 @@ def test_feature_spec_v2_trains_loads_and_compresses_to_the_budget(tmp_path, tea
     from core_kv.distill.trainer import _hashed
     from core_kv.features import FEATURE_SPECS
     from core_kv.models.cache import cache_kwarg, layer_lengths
+    from core_kv.models.loading import ModelSpec, load_from_spec
     from core_kv.presses import build_press
-    from core_kv.teacher.config import ModelSpec
-    from core_kv.teacher.docs import load_model
 
     assert "features" not in _hashed(TrainConfig())["teacher"]
     teacher = tmp_path / "teacher"
@@ -431,7 +429,7 @@ def test_feature_spec_v2_trains_loads_and_compresses_to_the_budget(tmp_path, tea
     assert (teacher / "manifest.json").read_bytes() == before
     run(tiny_args(out, teacher, "teacher.features=2", "teacher.overwrite=true"))
     assert json.loads((teacher / "manifest.json").read_text())["feature_spec"]["version"] == 2
-    base, _ = load_model(
+    base, _ = load_from_spec(
         ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128), "cpu"
     )
     core = CoreModel.from_pretrained(out / "final", base_model=base)

@@ -105,7 +105,7 @@ def test_micro_batched_step_equals_one_padded_batch(tmp_path):
     import torch.nn.functional as F
     from transformers import AutoTokenizer
 
-    from core_kv.proxy.data import Generator
+    from core_kv.documents import Generator
     from core_kv.proxy.tokenizer import build_proxy_tokenizer
     from core_kv.proxy.train import (
         ProxyModelConfig,
@@ -162,7 +162,7 @@ def test_micro_batched_step_equals_one_padded_batch(tmp_path):
 def test_answer_tokens_point_at_their_needle_tokens(tmp_path):
     from transformers import AutoTokenizer
 
-    from core_kv.proxy.data import Generator
+    from core_kv.documents import Generator
     from core_kv.proxy.tokenizer import build_proxy_tokenizer
 
     build_proxy_tokenizer(512, key_words=False, uuid_chars=True).save_pretrained(tmp_path / "tok")
@@ -186,7 +186,7 @@ def test_answer_tokens_point_at_their_needle_tokens(tmp_path):
 def test_key_gather_targets_are_the_keys_last_token(tmp_path):
     from transformers import AutoTokenizer
 
-    from core_kv.proxy.data import Generator
+    from core_kv.documents import Generator
     from core_kv.proxy.tokenizer import build_proxy_tokenizer
 
     build_proxy_tokenizer(512, key_words=False).save_pretrained(tmp_path / "tok")

@@ -14,19 +14,3 @@
 Shape legend: L layers, H query heads, Hkv KV heads, G = H/Hkv, D head dim, T tokens, N candidates at an event,
 F = 14 features, P = 512 memory features.
 """
-
-from __future__ import annotations
-
-__all__ = ["TrainConfig", "train"]
-
-
-def __getattr__(name: str):  # lazy: importing the package does not import accelerate
-    if name == "TrainConfig":
-        from core_kv.distill.config import TrainConfig
-
-        return TrainConfig
-    if name == "train":
-        from core_kv.distill.trainer import train
-
-        return train
-    raise AttributeError(name)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from core_kv.distill.replay import ReplaySpec, Timer
 from core_kv.distill.steps import DocItem, StepContext
-from core_kv.teacher.docs import make_docs
+from core_kv.documents import make_docs
 
 
 @dataclass(eq=False)

@@ -9,7 +9,6 @@ kept). A finished stage's weights go to ``stages/<stage>.safetensors`` and a rer
 from __future__ import annotations
 
 import copy
-import math
 import os
 import shutil
 import time
@@ -24,6 +23,7 @@ from tqdm import tqdm
 
 from core_kv.distill.context import RunContext
 from core_kv.files import atomic_write, plain_modes, writing
+from core_kv.schedules import warmup_cosine
 
 
 class Interrupted(RuntimeError):
@@ -43,14 +43,6 @@ class _ListData(torch.utils.data.Dataset):
 
 def _collate(batch: list) -> list:
     return list(batch)
-
-
-def lr_at(step: int, total: int, base: float, warmup: int) -> float:
-    """Linear warm-up, then cosine to 10% of ``base`` [choice]."""
-    if total <= 0:
-        return base
-    warm = min(1.0, (step + 1) / max(warmup, 1))
-    return base * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / total, 1.0))))
 
 
 def run_stage(tr: RunContext, name: str, module, params_of, items: list, total: int, scfg, per_micro: int) -> None:
@@ -87,7 +79,7 @@ def run_stage(tr: RunContext, name: str, module, params_of, items: list, total: 
             base_lr = (
                 scfg.lr_schedule(step)
                 if hasattr(scfg, "lr_schedule")
-                else lr_at(step, total, scfg.lr, scfg.warmup_lr_steps)
+                else warmup_cosine(step, total, scfg.lr, scfg.warmup_lr_steps)
             )
             for group in optimizer.param_groups:
                 group["lr"] = base_lr * group["lr_scale"]

@@ -3,7 +3,7 @@
 A document is run once through the frozen base model; a forward pre-hook on every attention module captures the
 layer's pre-/post-RoPE queries and keys and its values (:func:`capture`, with
 :func:`core_kv.models.attention.layer_qkv`, the same capture as the teacher's). :func:`replay_layer` then replays the
-chunked prefill of that layer: events sit where the teacher puts them (:func:`core_kv.teacher.docs.event_times`);
+chunked prefill of that layer: events sit where the teacher puts them (:func:`core_kv.teacher.config.event_times`);
 at event ``t_e`` the candidates of KV head h are its retained set from the previous event plus the tokens that
 arrived since, the 14 features come from :func:`core_kv.features.compute_features` (with the persistence EMA
 carried across events), the indexer scores them, and the retained set is the protected tokens plus the top free

@@ -31,11 +31,12 @@ from core_kv.distill.losses import (
     topb_overlap,
 )
 from core_kv.distill.replay import ReplaySpec, Timer, capture, cascade_capture, replay_layer, segment_attention
+from core_kv.documents import Doc
 from core_kv.geometry import Geometry
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import LatentMemory, write_weights
+from core_kv.teacher.config import event_times
 from core_kv.teacher.dataset import TeacherRecord
-from core_kv.teacher.docs import Doc, event_times
 
 
 @dataclass

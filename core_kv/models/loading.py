@@ -11,13 +11,16 @@ tiny model exists to exercise the pipeline: it scores about zero and is labelled
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from core_kv.config import ConfigError, option
 from core_kv.models.packaged import PACKAGED, is_packaged, resolve_model_path
 from core_kv.models.tiny import tiny_lm
 
@@ -36,6 +39,7 @@ _DTYPES = {
 
 DTYPES = ("auto", *_DTYPES)  # what a ``dtype`` option may name
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+MODEL_DTYPES = ("float32", "float16", "bfloat16")  # a ModelSpec's weights
 
 
 class ContextWindowError(ValueError):
@@ -241,6 +245,87 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     check_vocabulary(model, tokenizer, f"model {name_or_path}")
     return model.eval(), tokenizer
+
+
+@dataclass
+class ModelSpec:
+    """The frozen base model: a Hugging Face folder/hub id, or (``random_init``) a config-built Llama.
+
+    Args:
+        path: what :func:`core_kv.models.loading.load_model` loads: a hub id (``meta-llama/Llama-3.1-8B-Instruct``), a
+            local Hugging Face folder (``checkpoints/proxy-lm``) or a packaged model's name (``smollm2-135m``). The
+            artifact is bound to this model's fingerprint (layers, heads, head dim, key-projection digest).
+        revision: hub revision to pin ("" = the default branch).
+        random_init: build a random-weight Llama from the shape fields below instead of loading ``path`` (tests).
+        seed: weight seed of ``random_init``.
+        hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size / vocab_size: the shape of the
+            ``random_init`` Llama (ignored when a model is loaded).
+        dtype: weights dtype: ``float32`` (CPU), ``bfloat16`` or ``float16`` (GPUs).
+        attn_implementation: ``sdpa`` (default) or ``eager``; ``flash_attention_2`` on GPUs that have it.
+    """
+
+    path: str = "checkpoints/proxy-lm"
+    revision: str = ""
+    tokenizer: str = ""  # "" = the model's own; a path or hub id loads that tokenizer instead
+    random_init: bool = False
+    seed: int = option(0, ge=0)
+    hidden_size: int = option(64, ge=1)
+    num_layers: int = option(2, ge=1)
+    num_heads: int = option(4, ge=1)
+    num_kv_heads: int = option(2, ge=1)
+    intermediate_size: int = option(128, ge=1)
+    vocab_size: int = option(512, ge=1)
+    dtype: str = option("float32", choices=MODEL_DTYPES)
+    attn_implementation: str = option("sdpa", choices=ATTN_IMPLEMENTATIONS)
+
+    def check(self, prefix: str = "model.") -> None:
+        if not self.random_init and not self.path:
+            raise ConfigError(f"{prefix}path must name the base model (a folder or hub id) unless {prefix}random_init")
+        if self.random_init and (self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads):
+            raise ConfigError(
+                f"{prefix}num_heads ({self.num_heads}) must be a multiple of {prefix}num_kv_heads ({self.num_kv_heads})"
+                f" and divide {prefix}hidden_size ({self.hidden_size})"
+            )
+
+
+def load_from_spec(spec_: ModelSpec, device) -> tuple[nn.Module, object | None]:
+    """The frozen model of a teacher or train config and its tokenizer: a pretrained one through :func:`load_model`
+    (packaged names resolved), or (``random_init``) a config-sized Llama seeded by ``spec_.seed``; a ``tokenizer``
+    path loads that tokenizer instead of the model's own."""
+    from transformers import AutoTokenizer
+
+    dtype = getattr(torch, spec_.dtype)
+    if not spec_.random_init:
+        spec_ = replace(spec_, path=resolve_model_path(spec_.path), tokenizer=resolve_model_path(spec_.tokenizer))
+    local = spec_.path.startswith(("checkpoints/", "runs/", "./", "/"))
+    if not spec_.random_init and local and not Path(spec_.path).is_dir():
+        raise FileNotFoundError(
+            f"model.path {spec_.path} does not exist: train/export the proxy LM first (python -m "
+            "core_kv.proxy.train ...), or pass model.path=<HF folder or hub id>"
+        )
+    tok = None
+    tok_path = spec_.tokenizer  # "" = the model's own (loaded with it below; none for a random init)
+    if tok_path:
+        tok = AutoTokenizer.from_pretrained(tok_path, revision=spec_.revision or None)
+    if spec_.random_init:
+        vocab = max(spec_.vocab_size, 64 * math.ceil(len(tok) / 64) if tok is not None else 0)
+        model = tiny_lm(
+            seed=spec_.seed,
+            attn_implementation=spec_.attn_implementation,
+            vocab_size=vocab,
+            hidden_size=spec_.hidden_size,
+            num_hidden_layers=spec_.num_layers,
+            num_attention_heads=spec_.num_heads,
+            num_key_value_heads=spec_.num_kv_heads,
+            intermediate_size=spec_.intermediate_size,
+            max_position_embeddings=8192,
+        ).to(dtype)
+    else:  # the adapter's loader: hub ids, local folders, packaged names, its error messages
+        model, own_tokenizer = load_model(
+            spec_.path, dtype=dtype, attn_implementation=spec_.attn_implementation, revision=spec_.revision or None
+        )
+        tok = tok if tok_path else own_tokenizer
+    return model.to(device).eval(), tok
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",

@@ -50,7 +50,8 @@ from torch import nn
 from core_kv.budget import kept_tokens, protected_split
 from core_kv.models.attention import press_layers, ragged_attention
 from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported, layer_lengths
-from core_kv.presses.options import check_press_options, claim, release
+from core_kv.presses.install import claim, release
+from core_kv.presses.options import check_press_options
 
 PRESSES: dict[str, type[BasePress]] = {}
 
@@ -591,9 +592,8 @@ class ScorerPress(BasePress):
 
 
 def build_press(name: str, **kwargs) -> BasePress:
-    """Instantiate a registered press by name; unknown names and options raise ``ValueError``."""
-    import core_kv.presses  # noqa: F401  (registers the built-in presses)
-
+    """Instantiate a registered press by name; unknown names and options raise ``ValueError``. Every built-in press is
+    registered: importing this module runs the package's ``__init__`` first, which imports each press's file."""
     if name not in PRESSES:
         raise ValueError(f"unknown press {name!r}; registered: {', '.join(sorted(PRESSES))}")
     cls = PRESSES[name]

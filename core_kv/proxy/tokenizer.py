@@ -26,8 +26,9 @@ from collections.abc import Iterable
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from core_kv.corpus import NOISE_LINE, essay_files, held_out_essays, words
+
 SPECIAL = "<|endoftext|>"
-NOISE_LINE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
 def key_word_pieces(adjectives: Iterable[str], nouns: Iterable[str]) -> list[str]:
@@ -156,9 +157,6 @@ def build_proxy_tokenizer(
     base_vocab: int = 4096, key_words: bool = True, uuid_chars: bool = False, key_sentences: int | None = None
 ):
     """The proxy tokenizer trained on the training essays only (see :mod:`core_kv.proxy.tokenizer`)."""
-    from core_kv.corpus import essay_files, words
-    from core_kv.proxy.data import held_out_essays
-
     held = held_out_essays()
     essays = [f.read_text(encoding="utf-8") for f in essay_files() if f.stem not in held]
     adjs, nouns = words("adjectives"), words("nouns")

@@ -35,8 +35,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from core_kv.config import ConfigError, check_on_init, folder, load_config, non_empty, option, to_dict
+from core_kv.documents import DOC_TASKS, Generator
 from core_kv.files import atomic_write_json, plain_modes, read_jsonl
 from core_kv.proxy.tokenizer import build_proxy_tokenizer
+from core_kv.schedules import wsd_linear
 
 FULL_MIX = {
     "niah_single_1": 0.14,
@@ -84,21 +86,17 @@ class ProxyModelConfig:
 
 
 def _task_weights_ok(mix: dict) -> str | None:
-    from core_kv.proxy.data import TASKS
-
-    unknown = sorted(set(mix) - set(TASKS))
+    unknown = sorted(set(mix) - set(DOC_TASKS))
     if unknown:
-        return f"a mapping of proxy tasks ({', '.join(TASKS)}) to weights; unknown: {unknown}"
+        return f"a mapping of proxy tasks ({', '.join(DOC_TASKS)}) to weights; unknown: {unknown}"
     if any(w < 0 for w in mix.values()) or (mix and not sum(mix.values()) > 0):
         return "task weights >= 0 with a positive sum"
     return None
 
 
 def _tasks_ok(tasks: list) -> str | None:
-    from core_kv.proxy.data import TASKS
-
-    unknown = sorted(set(tasks) - set(TASKS))
-    return f"proxy tasks ({', '.join(TASKS)}); unknown: {unknown}" if unknown else None
+    unknown = sorted(set(tasks) - set(DOC_TASKS))
+    return f"proxy tasks ({', '.join(DOC_TASKS)}); unknown: {unknown}" if unknown else None
 
 
 @dataclass
@@ -413,19 +411,6 @@ def train_step_loss(
     return lm_tot, ans_tot, head_tot, em
 
 
-def lr_at(step: int, cfg: ProxyTrainConfig) -> float:
-    """Warmup-stable-decay: linear warmup, constant peak, then linear decay to ``min_lr_ratio`` of the peak over the
-    last ``decay_fraction`` of ``total_steps``. Unlike a cosine, ``total_steps`` can be raised on resume (while the
-    run is still in the stable part) without changing the steps already taken."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_start = cfg.total_steps * (1 - cfg.decay_fraction)
-    if step < decay_start:
-        return cfg.lr
-    p = min(1.0, (step - decay_start) / max(1.0, cfg.total_steps - decay_start))
-    return cfg.lr * (1 - (1 - cfg.min_lr_ratio) * p)
-
-
 # ---- probes ----------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def probe(model, probes: dict[str, list], bf16: bool) -> dict[str, float]:
@@ -446,8 +431,6 @@ def probe(model, probes: dict[str, list], bf16: bool) -> dict[str, float]:
 
 
 def make_probes(tokenizer, cfg: ProxyTrainConfig) -> dict[str, list]:
-    from core_kv.proxy.data import Generator
-
     gen = Generator(tokenizer, seed=cfg.probe_seed, kvpress_newline=0.0)
     return {
         f"{task}@{length}": [gen.sample(task, length - 128) for _ in range(cfg.probe_n)]
@@ -549,8 +532,6 @@ def train(cfg: ProxyTrainConfig) -> Path:
     """Run (or resume) training in ``cfg.out_dir``; returns the checkpoint folder."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from core_kv.proxy.data import Generator
-
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -626,8 +607,9 @@ def train(cfg: ProxyTrainConfig) -> Path:
         phase = cfg.phases[state["phase"]]
         t0 = time.time()
         seqs = data.batch(phase.mix or FULL_MIX, phase.min_len, phase.max_len, phase.tokens_per_step)
+        lr = wsd_linear(step, cfg.total_steps, cfg.lr, cfg.warmup_steps, cfg.decay_fraction, cfg.min_lr_ratio)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr
         opt.zero_grad(set_to_none=True)
         micro = max(cfg.micro_batch_tokens, 2 * phase.max_len)
         weights = {"src": cfg.attn_weight, "qsrc": phase.gather_weight, "nsrc": phase.gather_weight}
@@ -680,7 +662,7 @@ def train(cfg: ProxyTrainConfig) -> Path:
                 "running_em": run_em,
                 "task_em": {t: round(sum(w) / len(w), 3) for t, w in sorted(windows.items()) if w},
                 "tok_per_s": acc["tok"] / acc["t"],
-                "lr": lr_at(step, cfg),
+                "lr": lr,
                 "grad_norm": float(gnorm),
                 "tokens": state["tokens"],
                 "train_s": state["train_s"],
@@ -802,7 +784,7 @@ def export(cfg: ProxyTrainConfig) -> Path:
     swap_in(tmp, dst)
     if (
         dropped
-    ):  # e.g. the hand-written model card and the proxy.evaluate scores, which describe the model just replaced
+    ):  # e.g. the hand-written model card and the eval.proxy_ruler scores, which describe the model just replaced
         warnings.warn(
             f"export replaced {dst} whole and removed {', '.join(dropped)} (not written by export): they described "
             "the previous model; rewrite them for this one (or restore them from git if it is the same model)",

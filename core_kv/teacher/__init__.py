@@ -7,7 +7,8 @@
 - :mod:`~core_kv.teacher.solver`: ``p* = argmax −KL(p‖π_U) + λ F_cov(p)`` by damped mirror ascent (R0 = 8).
 - :mod:`~core_kv.teacher.metrics`: Table 5 residuals/agreement and Table 7 set quality.
 - :mod:`~core_kv.teacher.dataset`: safetensors shards + manifest, and the reader that refuses mismatches.
-- :mod:`~core_kv.teacher.config` (the typed config), :mod:`~core_kv.teacher.docs` (model and documents),
+- :mod:`~core_kv.teacher.config` (the typed config), (its model: :func:`core_kv.models.loading.load_from_spec`;
+  its documents: :mod:`core_kv.documents`),
   :mod:`~core_kv.teacher.run` (the collection; ``python -m core_kv.teacher --config ...``),
   :mod:`~core_kv.teacher.report` (summary and text report).
 
@@ -18,7 +19,8 @@ Imports (``docs/architecture.md``): the teacher sits above :mod:`core_kv.feature
 features) and the kernel math on the floor; the namespace re-exports the base stage only.
 """
 
-from core_kv.geometry import Geometry, model_fingerprint
+from core_kv.geometry import Geometry
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.nystrom import coverage_logdet, leverage, nystrom_features
 from core_kv.teacher.geometry import fit_geometry
 from core_kv.teacher.solver import solve_allocation

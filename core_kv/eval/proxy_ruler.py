@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m core_kv.proxy.evaluate checkpoints/proxy-lm --lengths 1024 2048 4096 --n 20 --out runs/proxy/eval.json
+    python -m core_kv.eval.proxy_ruler checkpoints/proxy-lm --lengths 1024 2048 4096 --n 20 --out runs/proxy/eval.json
 
 Samples are RULER's seed-42 sets from :mod:`core_kv.eval.ruler`, sized with the proxy tokenizer
 (``len(tok.tokenize(text))``). The score is RULER's ``string_match_all`` (x100). To fit a CPU budget, generation
@@ -24,9 +24,6 @@ import torch
 
 from core_kv.eval.ruler import RULER_11
 from core_kv.files import atomic_write_json
-
-TASKS = RULER_11  # evaluated in RULER's order
-
 
 ANSWER_TOKENS = {  # proxy tokens of the longest correct answer (+ a margin): one number = 9, a UUID = 37, 4 numbers = 36
     "niah_single_1": 12,
@@ -117,7 +114,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model_dir")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    p.add_argument("--tasks", nargs="+", default=list(TASKS))
+    p.add_argument("--tasks", nargs="+", default=list(RULER_11))  # in RULER's order
     p.add_argument("--n", type=int, default=20)
     p.add_argument("--cap", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)

