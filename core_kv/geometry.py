@@ -5,7 +5,8 @@ fixed coverage prototypes [paper Table 9: d_z = 64, M_p = 64], an RBF bandwidth 
 Nyström features (``CORE.md`` stage 0). :mod:`core_kv.teacher.geometry` fits it once on calibration text; the
 teacher, the trainer and the press read it through :class:`Geometry` (saved as ``geometry.safetensors`` or inside an
 artifact, with the base model's :mod:`~core_kv.models.fingerprint`: loading against a different model raises
-:class:`~core_kv.models.fingerprint.FingerprintMismatch`). It sits below the teacher so inference never imports the offline stage.
+:class:`~core_kv.models.fingerprint.FingerprintMismatch`). It sits below the teacher so inference never imports the
+offline stage.
 
 Shapes: L layers, Hkv KV heads, D head dim, d_z projected dim, M prototypes, N keys.
 """

@@ -1,8 +1,8 @@
-"""Tables and a compression-curve plot from one or more ``eval.py`` fidelity results folders (docs/notebook.md).
+"""Tables and a compression-curve plot from one or more ``eval.py`` fidelity results folders (research/notebook.md).
 
 Each folder's cells (``<benchmark>__<model>__<method>__<ratio>/metrics.json``) become rows; a ``label=folder``
 argument prefixes that folder's methods (e.g. ``chunk512=results/core_fidelity_chunk512``) so one-shot and
-chunked runs of the same press sit side by side. Usage (docs/notebook.md, CORE ablations)::
+chunked runs of the same press sit side by side. Usage (research/notebook.md, CORE ablations)::
 
     .venv/bin/python -m research.core_fidelity_table results/core_fidelity_proxy results/fidelity_proxy \\
         --plot docs/figures/core_fidelity_proxy.png

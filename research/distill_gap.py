@@ -1,5 +1,5 @@
 """Why is the proxy student below its teacher? Warm-up-only distillation on cached teacher records, measured on the
-training records and on the held-out report's events (issue 20 item 3; docs/notebook.md, "Proxy student gap").
+training records and on the held-out report's events (issue 20 item 3; research/notebook.md, "Proxy student gap").
 
 ``cache`` replays the teacher dataset's documents (for the coverage features Φ of every record) and the held-out report
 documents (indices 2,100,000+, full-cache candidates, teacher targets online) once and stores them; ``eval`` scores an
@@ -9,7 +9,7 @@ reports train-set and held-out KL / Top-B overlap / Table 7 J_B (student / teach
 ``distill/evaluate.py``'s full-cache rows: the harness reproduces a run's held-out Table 7 exactly). ``--pool held``
 trains on the held-out events themselves: the ceiling of the indexer on these features.
 
-Two information tests (docs/notebook.md, "Proxy student gap"): ``--obs-window W`` builds (``teacher``) and caches
+Two information tests (research/notebook.md, "Proxy student gap"): ``--obs-window W`` builds (``teacher``) and caches
 (``cache``) records whose observation-window features use the last ``W`` queries instead of the spec's 32 (the
 window is a module constant of :mod:`core_kv.features`; this script overrides it in the modules that read it, for
 the experiment only: the records' manifest carries the window, and the teacher-dataset reader refuses them wherever

@@ -1,6 +1,6 @@
 """Plot a RULER-style grid (score vs fraction removed) from a CSV of measured cells, one line per method.
 
-The grids in ``docs/notebook.md`` are assembled from several ``eval.py`` runs (different output folders, different
+The grids in ``research/notebook.md`` are assembled from several ``eval.py`` runs (different output folders, different
 days); this script draws their tables from one CSV that names, for every cell, the results folder it came from::
 
     python scripts/plot_grid.py docs/figures/smollm2_ruler_2k.csv docs/figures/smollm2_ruler_2k.png \\

@@ -212,7 +212,14 @@ def test_no_compatibility_shims():
     assert not shims, f"module-level __getattr__ shims: {shims}"
 
 
-TEST_FILES = sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "research" / "tests").glob("*.py")])
+# tests/test_released_press.py (which takes its fixtures from test_online) leaves with the released recipe (issue 58
+# part A, see LEAVING); delete this exception with LEAVING.
+LEAVING_TESTS = frozenset({"tests/test_released_press.py"})
+TEST_FILES = sorted(
+    p
+    for p in [*(ROOT / "tests").glob("*.py"), *(ROOT / "research" / "tests").glob("*.py")]
+    if str(p.relative_to(ROOT)) not in LEAVING_TESTS
+)
 
 
 def imported_test_modules(path: Path) -> list[tuple[int, str]]:

@@ -24,7 +24,7 @@ ENTRY_POINTS = [
     ("eval.py", "file"),
     ("core_kv.teacher", "module"),
     ("core_kv.proxy.train", "module"),
-    ("core_kv.proxy.evaluate", "module"),
+    ("core_kv.eval.proxy_ruler", "module"),
     ("core_kv.eval.fidelity", "module"),
     ("scripts/kvpress_fidelity.py", "file"),
     ("scripts/kvpress_compare.py", "file"),
@@ -46,6 +46,14 @@ def test_every_entry_point_is_listed():
     files = [*ROOT.glob("*.py"), *(p for d in ("core_kv", "scripts", "benchmarks") for p in (ROOT / d).rglob("*.py"))]
     found = {p for p in files if 'if __name__ == "__main__"' in p.read_text(encoding="utf-8")}
     assert found <= listed, sorted(map(str, found - listed))
+
+
+def test_benchmarks_readme_lists_every_script():
+    """``benchmarks/README.md``'s table names every script of ``benchmarks/`` (as ``python -m benchmarks.<name>``)."""
+    readme = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    scripts = [p.stem for p in sorted((ROOT / "benchmarks").glob("*.py")) if not p.stem.startswith("_")]
+    missing = [s for s in scripts if f"| `{s}` |" not in readme or f"python -m benchmarks.{s}" not in readme]
+    assert not missing, f"benchmarks/README.md does not list {missing}"
 
 
 def _run_help(target: str, kind: str, capsys, monkeypatch) -> str:

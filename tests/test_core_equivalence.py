@@ -21,7 +21,7 @@ from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses.core import CorePress
 from core_kv.presses.core_scorer import CoreScorerPress
 from core_kv.presses.latent_memory import LatentMemoryPress
-from tests.test_core_press import artifact, ids, logits_after  # noqa: F401  (the module-scoped artifact fixture)
+from tests.helpers import ids, logits_after
 
 
 class ReferenceScorer(CoreScorerPress):
@@ -107,8 +107,8 @@ def open_gate(press):
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
-def test_optimised_press_equals_reference(artifact, llama, chunk):  # noqa: F811
-    _, path = artifact
+def test_optimised_press_equals_reference(tiny_artifact, llama, chunk):
+    _, path = tiny_artifact
     ctx, q = ids(), ids(6, seed=2)
     fast, ref = stacks(path, compression_ratio=0.75)
     for p in (fast, ref):
@@ -131,8 +131,8 @@ def test_optimised_press_equals_reference(artifact, llama, chunk):  # noqa: F811
     assert fast.aux_breakdown()["memory_state"] == ref.aux_breakdown()["memory_state"]
 
 
-def test_decode_time_eviction_equals_reference(artifact, llama):  # noqa: F811
-    _, path = artifact
+def test_decode_time_eviction_equals_reference(tiny_artifact, llama):
+    _, path = tiny_artifact
     budget, slack, steps = 40, 8, 20
     logs, outs = [], []
     for press in stacks(path, budget=budget, decoding=True, decoding_slack=slack):
@@ -179,9 +179,9 @@ def test_fused_write_and_readout_equal_the_trainer_functions():
     assert gates[gq:].eq(0).all() and gates[:gq].gt(0).all()
 
 
-def test_batched_features_equal_per_head(artifact, llama):  # noqa: F811
+def test_batched_features_equal_per_head(tiny_artifact, llama):
     """The features of every KV head at once equal the per-head calls bit for bit (same kernels per head)."""
-    _, path = artifact
+    _, path = tiny_artifact
     feats = {}
     for cls in (CoreScorerPress, ReferenceScorer):
         press = cls(checkpoint=str(path), compression_ratio=0.5)
@@ -201,9 +201,9 @@ def test_batched_features_equal_per_head(artifact, llama):  # noqa: F811
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7, equal_nan=True)
 
 
-def test_decode_steps_take_the_log_partition_from_the_attention(artifact, llama):  # noqa: F811
+def test_decode_steps_take_the_log_partition_from_the_attention(tiny_artifact, llama):
     """On a decode step the readout's lse_R comes from the attention kernel and equals the recomputed one."""
-    _, path = artifact
+    _, path = tiny_artifact
     press = CorePress.from_pretrained(path, compression_ratio=0.75, policy="paper")
     memory = press.memory_press
     seen = []
@@ -226,9 +226,9 @@ def test_decode_steps_take_the_log_partition_from_the_attention(artifact, llama)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_two_byte_memory_state_stays_within_tolerance(artifact, llama, dtype):  # noqa: F811
+def test_two_byte_memory_state_stays_within_tolerance(tiny_artifact, llama, dtype):
     """``memory_dtype``: half the state bytes, the same retained sets, logits within the stated tolerance."""
-    _, path = artifact
+    _, path = tiny_artifact
     ctx, q = ids(), ids(6, seed=2)
     runs = {}
     for dt in (None, dtype):

@@ -7,7 +7,6 @@ press's mechanics do not depend on training, and the tests must run without the 
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -16,53 +15,25 @@ from transformers import DynamicCache
 from core_kv.core_model import CoreConfig, CoreModel
 from core_kv.distill.replay import ReplaySpec, capture, replay_layer
 from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
-from core_kv.models.fingerprint import FingerprintMismatch, model_fingerprint
+from core_kv.models.fingerprint import FingerprintMismatch
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from core_kv.presses.adakv import AdaKVPress
 from core_kv.presses.core import CorePress
 from core_kv.presses.latent_memory import MemoryLayer
-from core_kv.teacher.geometry import fit_geometry
-from tests.conftest import record_core_kept, tiny_model
-
-N = 200
-
-
-def ids(n: int = N, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory, llama):
-    acts = capture(llama, ids(300, seed=9))
-    geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(llama), d_z=16, num_prototypes=16)
-    core = CoreModel(CoreConfig.for_model(llama, geo))
-    core.set_geometry(geo)
-    core.indexer.temperature.fill_(1.5)
-    path = tmp_path_factory.mktemp("core") / "final"
-    core.save_pretrained(path)
-    return core, path
+from tests.helpers import N, ids, logits_after, record_core_kept, tiny_model
 
 
 def press_for(path, **options) -> CorePress:
     return CorePress.from_pretrained(path, **options)
 
 
-def logits_after(model, press, ctx, question, chunk_size=None):
-    """Logits of the question tokens fed on top of the (compressed) context."""
-    cache = prefill(model, ctx, press, chunk_size)
-    pos = torch.arange(ctx.shape[1], ctx.shape[1] + question.shape[1])[None]
-    with torch.inference_mode(), press(model) if press is not None else nullcontext():
-        out = model(input_ids=question, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
-    return out.logits
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # Artifact
 
 
-def test_artifact_round_trip_and_registry(artifact):
-    core, path = artifact
+def test_artifact_round_trip_and_registry(tiny_artifact):
+    core, path = tiny_artifact
     press = press_for(path, compression_ratio=0.5)
     for k, v in core.state_dict().items():
         torch.testing.assert_close(press.core.state_dict()[k], v, rtol=0, atol=0)
@@ -73,8 +44,8 @@ def test_artifact_round_trip_and_registry(artifact):
     assert build_press("core_keydiff", checkpoint=str(path), compression_ratio=0.5).scorer.allocation == "keydiff"
 
 
-def test_refuses_artifact_for_another_model_and_missing_checkpoint(artifact, tmp_path):
-    _, path = artifact
+def test_refuses_artifact_for_another_model_and_missing_checkpoint(tiny_artifact, tmp_path):
+    _, path = tiny_artifact
     press = press_for(path, compression_ratio=0.5)
     with pytest.raises(FingerprintMismatch):
         prefill(tiny_model("llama", seed=5), ids(), press)
@@ -91,8 +62,8 @@ def test_refuses_artifact_for_another_model_and_missing_checkpoint(artifact, tmp
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
-def test_exact_budgets_with_memory_on(artifact, llama, chunk):
-    _, path = artifact
+def test_exact_budgets_with_memory_on(tiny_artifact, llama, chunk):
+    _, path = tiny_artifact
     press = press_for(path, compression_ratio=0.5)
     cache = prefill(llama, ids(), press, chunk_size=chunk)
     assert kv_bytes(cache)["tokens_per_head"] == [[100, 100]] * 2
@@ -105,8 +76,8 @@ def test_exact_budgets_with_memory_on(artifact, llama, chunk):
     assert kv_bytes(cache)["tokens_per_head"] == [[100, 100]] * 2  # question trimmed, tracking re-synced
 
 
-def test_budget_matched_reduces_b_by_the_memory_token_equivalent(artifact, llama):
-    _, path = artifact
+def test_budget_matched_reduces_b_by_the_memory_token_equivalent(tiny_artifact, llama):
+    _, path = tiny_artifact
     press = press_for(path, budget=400, budget_matched=True)
     eq = press.memory_press.token_equivalent(4)  # fp32 cache: (512·16 + 512 + 1 + 16 + 1) · 4 B / (2 · 16 · 4 B)
     assert eq == -(-(512 * 16 + 512 + 18) * 4 // (2 * 16 * 4))
@@ -116,8 +87,8 @@ def test_budget_matched_reduces_b_by_the_memory_token_equivalent(artifact, llama
         press_for(path, budget=400, budget_matched=True, memory=False)
 
 
-def test_ratio_zero_equals_uncompressed(artifact, llama):
-    _, path = artifact
+def test_ratio_zero_equals_uncompressed(tiny_artifact, llama):
+    _, path = tiny_artifact
     ctx, q = ids(120), ids(6, seed=2)
     ref = logits_after(llama, None, ctx, q)
     torch.testing.assert_close(logits_after(llama, press_for(path), ctx, q), ref, rtol=0, atol=0)
@@ -127,8 +98,8 @@ def test_ratio_zero_equals_uncompressed(artifact, llama):
     assert greedy_answer(llama, prefill(llama, ctx, press), 120, q, 5, press, eos_token_ids=[]) == want
 
 
-def test_empty_memory_and_closed_gate_leave_outputs_unchanged(artifact, llama):
-    _, path = artifact
+def test_empty_memory_and_closed_gate_leave_outputs_unchanged(tiny_artifact, llama):
+    _, path = tiny_artifact
     ctx, q = ids(), ids(6, seed=2)
     # one-shot prefill: the memory is empty during the only forward, so its logits are the full model's
     press = press_for(path, compression_ratio=0.75)
@@ -151,8 +122,8 @@ def test_empty_memory_and_closed_gate_leave_outputs_unchanged(artifact, llama):
 
 
 @pytest.mark.parametrize("rule", ["mass", "equal_event", "uniform_token"])
-def test_write_rule_bookkeeping(artifact, llama, rule):
-    _, path = artifact
+def test_write_rule_bookkeeping(tiny_artifact, llama, rule):
+    _, path = tiny_artifact
     press = press_for(path, compression_ratio=0.5, write_rule=rule)
     prefill(llama, ids(), press)  # one event per layer
     assert [e["layer"] for e in press.events] == [0, 1]
@@ -166,8 +137,8 @@ def test_write_rule_bookkeeping(artifact, llama, rule):
         torch.testing.assert_close(z, want[rule], rtol=1e-5, atol=1e-6)
 
 
-def test_repeated_eviction_never_exceeds_budget_plus_slack(artifact, llama):
-    _, path = artifact
+def test_repeated_eviction_never_exceeds_budget_plus_slack(tiny_artifact, llama):
+    _, path = tiny_artifact
     budget, slack, steps = 40, 8, 18
     press = press_for(path, budget=budget, decoding=True, decoding_slack=slack)
     cache = DynamicCache()
@@ -188,8 +159,8 @@ def test_repeated_eviction_never_exceeds_budget_plus_slack(artifact, llama):
 # Same computation as training's replay
 
 
-def test_layer0_retained_sets_match_replay(artifact, llama):
-    core, path = artifact
+def test_layer0_retained_sets_match_replay(tiny_artifact, llama):
+    core, path = tiny_artifact
     press = press_for(path, compression_ratio=0.5)
     kept = record_core_kept(press, (0, 1))
     ctx = ids()
@@ -220,8 +191,8 @@ def test_layer0_retained_sets_match_replay(artifact, llama):
     ],  # fmt: skip
     ids=["ea", "keydiff", "no_memory", "no_calibration", "equal_event", "uniform_token"],
 )
-def test_ablations_keep_the_budget(artifact, llama, options):
-    _, path = artifact
+def test_ablations_keep_the_budget(tiny_artifact, llama, options):
+    _, path = tiny_artifact
     press = press_for(path, compression_ratio=0.75, **options)
     cache = prefill(llama, ids(), press, chunk_size=64)
     assert kv_bytes(cache)["tokens_per_head"] == [[50, 50]] * 2
@@ -229,8 +200,8 @@ def test_ablations_keep_the_budget(artifact, llama, options):
     assert len(greedy_answer(llama, cache, N, ids(4, seed=3), 2, press, eos_token_ids=[])) == 2
 
 
-def test_calibration_changes_mass_not_retention(artifact, llama):
-    _, path = artifact
+def test_calibration_changes_mass_not_retention(tiny_artifact, llama):
+    _, path = tiny_artifact
     runs = {}
     for calibrated in (True, False):
         press = press_for(path, compression_ratio=0.5, calibrated=calibrated)
@@ -244,8 +215,8 @@ def test_calibration_changes_mass_not_retention(artifact, llama):
 # Issue 16: the artifact's settings win unless overridden; bad artifacts and inputs are named
 
 
-def _artifact_with(artifact, tmp_path, **config) -> object:
-    core, _ = artifact
+def _artifact_with(tiny_artifact, tmp_path, **config) -> object:
+    core, _ = tiny_artifact
     c = CoreConfig(**{**core.config.to_dict(), **config})
     other = CoreModel(c)
     other.load_state_dict(core.state_dict())
@@ -254,12 +225,12 @@ def _artifact_with(artifact, tmp_path, **config) -> object:
     return path
 
 
-def test_protected_positions_come_from_the_artifact(artifact, tmp_path, llama):
+def test_protected_positions_come_from_the_artifact(tiny_artifact, tmp_path, llama):
     """An artifact trained with protected_recent=8 / sinks=2 runs with them; an explicit other value wins with a
     warning; invalid stored values are refused at load, naming the file."""
     import warnings
 
-    path = _artifact_with(artifact, tmp_path, protected_sinks=2, protected_recent=8)
+    path = _artifact_with(tiny_artifact, tmp_path, protected_sinks=2, protected_recent=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         press = press_for(path, compression_ratio=0.5)
@@ -268,17 +239,17 @@ def test_protected_positions_come_from_the_artifact(artifact, tmp_path, llama):
     with pytest.warns(UserWarning, match="protected_recent=16.*trained with 8"):
         assert press_for(path, compression_ratio=0.5, protected_recent=16).protected_recent == 16
     assert press.config_dict()["protected_recent"] == 8  # results folders record the value used
-    bad = _artifact_with(artifact, tmp_path / "bad", protected_recent=-1)
+    bad = _artifact_with(tiny_artifact, tmp_path / "bad", protected_recent=-1)
     with pytest.raises(ValueError, match=r"protected_recent.*config\.json|config\.json.*protected_recent"):
         press_for(bad, compression_ratio=0.5)
 
 
-def test_corrupt_artifact_tensors_are_refused_at_load(artifact, tmp_path):
+def test_corrupt_artifact_tensors_are_refused_at_load(tiny_artifact, tmp_path):
     """NaN/Inf in an artifact's tensors, or a tensor whose shape does not match config.json, is refused when the
     artifact loads, naming the file and the tensor."""
     from safetensors.torch import load_file, save_file
 
-    core, src = artifact
+    core, src = tiny_artifact
     for name, edit in [("nan", lambda t: t.fill_(float("nan"))), ("inf", lambda t: t.fill_(float("inf")))]:
         path = tmp_path / name
         core.save_pretrained(path)
@@ -303,11 +274,11 @@ def test_corrupt_artifact_tensors_are_refused_at_load(artifact, tmp_path):
         CoreModel.from_pretrained(path)
 
 
-def test_artifacts_with_other_feature_constants_are_refused_at_load(artifact, tmp_path):
+def test_artifacts_with_other_feature_constants_are_refused_at_load(tiny_artifact, tmp_path):
     """An artifact whose recorded feature spec differs from the code's in any constant (not only the version or the
     names) is refused at load, naming the constant: the press would otherwise feed it features computed another way.
     The unedited artifact loads."""
-    core, src = artifact
+    core, src = tiny_artifact
     assert CoreModel.from_pretrained(src).config.feature_spec == core.config.feature_spec
     edits = [
         ("obs_window", 128, r"obs_window=128 \(code: 32\)"),
@@ -327,9 +298,9 @@ def test_artifacts_with_other_feature_constants_are_refused_at_load(artifact, tm
             build_press("core", checkpoint=str(path), compression_ratio=0.5)
 
 
-def test_nan_inputs_are_named_at_the_press_boundary(artifact, llama):
+def test_nan_inputs_are_named_at_the_press_boundary(tiny_artifact, llama):
     """NaN hidden states reach the core press as a clear error naming the layer, not a Cholesky failure."""
-    _, path = artifact
+    _, path = tiny_artifact
     press = press_for(path, compression_ratio=0.5)
     emb = llama.get_input_embeddings()
     saved = emb.weight.detach().clone()
@@ -343,10 +314,10 @@ def test_nan_inputs_are_named_at_the_press_boundary(artifact, llama):
             emb.weight.copy_(saved)
 
 
-def test_replay_targets_follow_per_layer_lambda(artifact, llama):
+def test_replay_targets_follow_per_layer_lambda(tiny_artifact, llama):
     """The distillation's on-policy targets use ``lam_layers``: layer 1 with ``{"1": 4.0}`` over λ = 1 equals a
     plain λ = 4 replay there; layer 0 equals the plain λ = 1 replay."""
-    core, _ = artifact
+    core, _ = tiny_artifact
     acts = capture(llama, ids())
     base = dict(chunk_size=64, ratio=0.5, protected_sinks=4, protected_recent=32, policy="full")
     mixed = ReplaySpec(**base, lam=1.0, lam_layers={"1": 4.0})
@@ -392,13 +363,13 @@ def run_recording(press, model, ctx, chunk_size=None):
     return prefill(model, ctx, press, chunk_size), kept, dists
 
 
-def test_adaptive_head_budgets_follow_adakv_over_the_calibrated_distribution(artifact, llama):
+def test_adaptive_head_budgets_follow_adakv_over_the_calibrated_distribution(tiny_artifact, llama):
     """``head_budgets="adaptive"``: every layer keeps exactly Hkv·B entries, split across its KV heads by AdaKV's
     rule over p (checked against the rule written out); each head's evicted entries, and only those, are written;
     the answer reads the ragged cache and the memory."""
     from core_kv.budget import protected_mask
 
-    _, path = artifact
+    _, path = tiny_artifact
     b = N // 4
     for rule in ("mass", "uniform_token"):
         press = press_for(path, compression_ratio=0.75, head_budgets="adaptive", write_rule=rule)
@@ -420,9 +391,9 @@ def test_adaptive_head_budgets_follow_adakv_over_the_calibrated_distribution(art
         assert kv_bytes(cache)["tokens_per_head"] == per_head  # question and answer trimmed off the ragged layers
 
 
-def test_adaptive_with_full_safeguard_is_the_uniform_press(artifact, llama):
+def test_adaptive_with_full_safeguard_is_the_uniform_press(tiny_artifact, llama):
     """``alpha_safeguard=1`` gives every head its own Top-B: the uniform press's cache and logits, bit for bit."""
-    _, path = artifact
+    _, path = tiny_artifact
     ctx, q = ids(), ids(6, seed=2)
     uniform = logits_after(llama, press_for(path, compression_ratio=0.75), ctx, q)
     safe = press_for(path, compression_ratio=0.75, head_budgets="adaptive")
@@ -437,9 +408,9 @@ def identity_rope(attn, t: int):
     return torch.ones(1, t, d), torch.zeros(1, t, d)
 
 
-def test_ragged_readout_log_partition_matches_each_head(artifact, llama):
+def test_ragged_readout_log_partition_matches_each_head(tiny_artifact, llama):
     """The readout's lse_R over a ragged layer equals each query head's log-sum-exp over its own KV head's keys."""
-    _, path = artifact
+    _, path = tiny_artifact
     press = press_for(path, compression_ratio=0.75, head_budgets="adaptive")
     cache = prefill(llama, ids(), press)
     layer = next(i for i, lay in enumerate(cache.layers) if isinstance(lay, RaggedLayer))
@@ -453,11 +424,11 @@ def test_ragged_readout_log_partition_matches_each_head(artifact, llama):
         torch.testing.assert_close(got[h], ((q[h] @ k.mT) * attn.scaling).logsumexp(-1), rtol=1e-5, atol=1e-5)
 
 
-def test_adaptive_allocation_press_is_adakv_over_that_press(artifact, llama):
+def test_adaptive_allocation_press_is_adakv_over_that_press(tiny_artifact, llama):
     """With ``head_budgets="adaptive"`` the heads compete on the allocation press's raw scores: ExpectedAttention with
     ε = 1e-2, no protected positions and no memory is kvpress's leaderboard AdaKV(ExpectedAttention), logits bit for
     bit."""
-    _, path = artifact
+    _, path = tiny_artifact
     ctx, q = ids(), ids(6, seed=2)
     with pytest.warns(UserWarning, match="overrides the artifact"):
         core_ea = press_for(path, compression_ratio=0.75, allocation="expected_attention", head_budgets="adaptive",
@@ -467,12 +438,12 @@ def test_adaptive_allocation_press_is_adakv_over_that_press(artifact, llama):
     torch.testing.assert_close(logits_after(llama, core_ea, ctx, q), logits_after(llama, adakv, ctx, q), rtol=0, atol=0)
 
 
-def test_output_head_pool_ranks_by_expected_attentions_formula_over_p(artifact, llama):
+def test_output_head_pool_ranks_by_expected_attentions_formula_over_p(tiny_artifact, llama):
     """``head_pool="output"``: the heads of a layer compete on ``(p + ε) · ‖v‖`` (AdaKV's rule written out over
     that quantity, p the calibrated distribution, v the layer's values). Each layer still keeps Hkv·B entries."""
     from core_kv.budget import protected_mask
 
-    _, path = artifact
+    _, path = tiny_artifact
     b, eps = N // 4, 0.05
     acts = capture(llama, ids())
     prot = protected_mask(N, 4, 32)
@@ -505,14 +476,14 @@ def repair_reference(keys: torch.Tensor, kept: set, prot: torch.Tensor, tau: flo
 
 
 @pytest.mark.parametrize("head_budgets", ["uniform", "adaptive"])
-def test_repair_runs_twinkvs_pass_on_cores_sets(artifact, llama, head_budgets):
+def test_repair_runs_twinkvs_pass_on_cores_sets(tiny_artifact, llama, head_budgets):
     """``repair=True`` (TwinRepairPress around the scorer, or around AdaKV around it): every head's retained set is
     CORE's set after TwinKV's repair pass (post-RoPE keys, CORE's protected positions never donate, donors most
     redundant first), so each head keeps the same number of entries; the evicted mass ε̂ is that of the repaired set."""
     from core_kv.budget import protected_mask
     from core_kv.presses.twin_repair import TwinRepairPress
 
-    _, path = artifact
+    _, path = tiny_artifact
     tau, b = 0.3, N // 4
     prot = protected_mask(N, 4, 32)
     opts = dict(compression_ratio=0.75, head_budgets=head_budgets, memory=False)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
 
 from core_kv.config import load_config, to_dict
 from core_kv.files import atomic_write_json, read_jsonl
@@ -16,6 +15,7 @@ from core_kv.models.attention import RaggedKV, UnsupportedModelError, decoder_la
 from core_kv.models.cache import RESERVE_TOKENS, RaggedLayer, kv_bytes
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
+from tests.helpers import tiny_model
 
 
 @dataclass

@@ -46,7 +46,7 @@ from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from core_kv.presses.core import CorePress
 from core_kv.teacher.geometry import fit_geometry
-from tests.conftest import masked_full_cache_logits, record_core_kept
+from tests.helpers import masked_full_cache_logits, record_core_kept
 
 N = 200
 W = 48  # the tiny Gemmas' sliding window (core_kv.models.tiny.FAMILIES)

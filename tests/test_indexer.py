@@ -80,7 +80,7 @@ def test_save_and_load_roundtrip(artifact, llama):
 
 
 def test_other_base_model_is_refused(artifact):
-    from conftest import tiny_model
+    from tests.helpers import tiny_model
 
     _, path = artifact
     with pytest.raises(FingerprintMismatch, match="k_proj_digest"):

@@ -14,19 +14,11 @@ from core_kv.models.cache import RaggedLayer, layer_lengths
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES
 from core_kv.presses.paper_protocol import PaperProtocolPress
-from tests.test_presses_contract import (  # noqa: F401  (_artifact_dir: the module-scoped CORE artifacts)
-    COMMON,
-    N_CTX,
-    _artifact_dir,
-    build_press,
-    can_compress,
-    ids,
-    model_for,
-)
-from tests.test_runner import _argv, data  # noqa: F401  (the fixture)
+from tests.helpers import COMMON, N_CTX, build_press, can_compress, eval_argv, ids, model_for
 
 WRAPPABLE = sorted(n for n in PRESSES if n not in ("full", "paper_protocol"))
 HKV = COMMON["num_key_value_heads"]
+pytestmark = pytest.mark.usefixtures("contract_artifacts")  # the folder of the CORE presses' artifacts
 
 
 def _layer_keys(layer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,11 +103,11 @@ def test_options_are_checked_and_the_stack_gets_the_sinks():
     assert PaperProtocolPress(press="knorm", compression_ratio=0.5).config_dict()["press"]["name"] == "knorm"
 
 
-def test_runner_protocol_names_cells_and_wraps_every_compressed_method(data, tmp_path):  # noqa: F811
+def test_runner_protocol_names_cells_and_wraps_every_compressed_method(toy_data, tmp_path):
     from core_kv.config import load_config
 
     out = tmp_path / "paper"
-    cfg = load_config(EvalConfig, _argv(data, out, "protocol=core_paper", "ratios=[0.5]"))
+    cfg = load_config(EvalConfig, eval_argv(toy_data, out, "protocol=core_paper", "ratios=[0.5]"))
     assert cell_method(cfg, "snapkv") == "snapkv@core_paper" and cell_method(cfg, "full") == "full"
     res = run_eval(cfg)
     methods = sorted(c["method"] for c in res.cells)
@@ -126,7 +118,7 @@ def test_runner_protocol_names_cells_and_wraps_every_compressed_method(data, tmp
     assert (out / "toy__tiny-random__full__0.00" / "metrics.json").is_file()
     assert "snapkv@core_paper" in res.markdown
     with pytest.raises(ValueError, match="protocol"):
-        load_config(EvalConfig, _argv(data, out, "protocol=paper"))
+        load_config(EvalConfig, eval_argv(toy_data, out, "protocol=paper"))
 
 
 def test_decoding_false_is_refused_not_silently_turned_on():

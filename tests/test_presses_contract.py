@@ -21,94 +21,25 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from core_kv.core_model import CoreConfig, CoreModel
-from core_kv.distill.replay import capture
 from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_modules, ragged_sdpa, window_layers
 from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
-from core_kv.models.fingerprint import model_fingerprint
-from core_kv.models.tiny import FAMILIES, tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES, BasePress, ScorerPress
-from core_kv.presses import build_press as _build_press
-from core_kv.presses.core import CorePress
 from core_kv.presses.twin_repair import TwinRepairPress
-from core_kv.teacher.geometry import fit_geometry
-from tests.conftest import masked_full_cache_logits
+from tests.helpers import (
+    COMMON,
+    N_CTX,
+    build_press,
+    can_compress,
+    ids,
+    masked_full_cache_logits,
+    model_for,
+    skip_unless_compressing,
+    tiny,
+)
 
 NAMES = sorted(PRESSES)
-N_CTX = 200
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-)
-ARCHS = tuple(FAMILIES)  # every family core_kv.models.tiny builds
-_MODELS: dict = {}
-_ARTIFACTS: dict = {}
-CORE_NAMES = {name for name, cls in PRESSES.items() if issubclass(cls, CorePress)}
-
-
-def tiny(arch: str, eager: bool = False) -> torch.nn.Module:
-    """A 2-layer GQA model (4 query / 2 KV heads) of ``arch``, seeded, cached per (arch, attention). Gemma 2 runs eager
-    (transformers' SDPA path drops its logit softcap)."""
-    eager = eager or arch == "gemma2"
-    if (arch, eager) not in _MODELS:
-        _MODELS[arch, eager] = tiny_lm(arch, 0, "eager" if eager else "sdpa", **COMMON)
-    return _MODELS[arch, eager]
-
-
-def ids(n: int = N_CTX, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, COMMON["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _artifact_dir(tmp_path_factory):
-    _ARTIFACTS["dir"] = tmp_path_factory.mktemp("core_artifacts")
-    yield
-    _ARTIFACTS.clear()
-
-
-def core_artifact(arch: str) -> str:
-    """A CORE artifact fitted to ``tiny(arch)`` (geometry from one capture, untrained indexer), cached per arch."""
-    if arch not in _ARTIFACTS:
-        model = tiny(arch)
-        geo = fit_geometry([a.k_pre for a in capture(model, ids(300, seed=9))], model_fingerprint(model), d_z=8,
-                           num_prototypes=8)  # fmt: skip
-        core = CoreModel(CoreConfig.for_model(model, geo, protected_sinks=0, protected_recent=0))
-        core.set_geometry(geo)
-        path = _ARTIFACTS["dir"] / arch
-        core.save_pretrained(path)
-        _ARTIFACTS[arch] = str(path)
-    return _ARTIFACTS[arch]
-
-
-def build_press(name: str, arch: str = "llama", **options) -> BasePress:
-    """``core_kv.presses.build_press``, with CORE's presses given the artifact fitted to ``tiny(arch)`` when they
-    compress (their no-op form needs none)."""
-    if name in CORE_NAMES and (options.get("budget") is not None or options.get("compression_ratio", 0.0) != 0.0):
-        options = {"checkpoint": core_artifact(arch), **options}
-    return _build_press(name, **options)
-
-
-def can_compress(name: str) -> bool:
-    try:
-        build_press(name, compression_ratio=0.5)
-    except ValueError:
-        return False
-    return True
-
-
-def skip_unless_compressing(name: str) -> None:
-    if not can_compress(name):
-        pytest.skip(f"{name} never compresses (compression_ratio must stay 0)")
-
-
-def model_for(press: BasePress, arch: str = "llama") -> torch.nn.Module:
-    return tiny(arch, eager=bool(press.needs_attentions))
+pytestmark = pytest.mark.usefixtures("contract_artifacts")  # the folder of core_artifact(arch)
 
 
 def record_selection(press: BasePress) -> list[tuple[torch.Tensor, object]]:

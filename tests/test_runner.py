@@ -13,55 +13,20 @@ import pytest
 
 from core_kv.config import load_config
 from core_kv.eval import benchmarks as bm
-from core_kv.eval.benchmarks import EmptyDatasetError, write_samples
+from core_kv.eval.benchmarks import EmptyDatasetError
 from core_kv.eval.runner import EvalConfig, cell_dir, method_spec, run_eval
 from core_kv.eval.schema import Sample
 from core_kv.files import read_jsonl
 from core_kv.models.loading import ContextWindowError
 from core_kv.presses import PRESSES
+from tests.helpers import eval_argv, eval_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = [("full", 0.0), ("knorm", 0.25), ("knorm", 0.5), ("snapkv", 0.25), ("snapkv", 0.5)]
 
 
-def _samples() -> list[Sample]:
-    """3 contexts, 4 questions (one context shared by 2 questions), 2 tasks; ~150-250 tokens each."""
-    filler = " ".join(f"Line {i}: the grass is green and the sky is blue." for i in range(18))
-    out = []
-    for k, (code, city) in enumerate([("4242", "Paris"), ("7781", "Oslo"), ("1357", "Lima")]):
-        context = f"Record {k}. {filler} The secret code is {code}. The capital is {city}. {filler[: 200 * k]}"
-        out.append(
-            Sample("toy", "code", context, "What is the secret code?", "Answer:", [code], 8, "string_match_all", 256)
-        )
-        if k == 0:
-            out.append(
-                Sample("toy", "city", context, "What is the capital?", "Answer:", [city], 8, "string_match_part", 256)
-            )
-    return out
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return write_samples(tmp_path_factory.mktemp("data") / "toy.jsonl", _samples())
-
-
-def _argv(data: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "model.name=tiny",
-        "methods=[knorm,snapkv]",
-        "ratios=[0.25,0.5]",
-        "benchmarks=[toy]",
-        "datasets.toy.kind=jsonl",
-        f"datasets.toy.source={data}",
-        f"output_dir={out}",
-        "progress=false",
-        "cpu_threads=1",
-        *extra,
-    ]
-
-
 def _cfg(data: Path, out: Path, *extra: str) -> EvalConfig:
-    return load_config(EvalConfig, _argv(data, out, *extra))
+    return load_config(EvalConfig, eval_argv(data, out, *extra))
 
 
 def _folder_contents(out: Path) -> dict[str, bytes]:
@@ -73,9 +38,9 @@ def _folder_contents(out: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def clean_run(data, tmp_path_factory):
+def clean_run(toy_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("clean")
-    return out, run_eval(_cfg(data, out))
+    return out, run_eval(_cfg(toy_data, out))
 
 
 def test_smoke_two_presses_two_ratios(clean_run):
@@ -110,7 +75,7 @@ def test_smoke_two_presses_two_ratios(clean_run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_rerun_skips_finished_cells(clean_run, data, monkeypatch):
+def test_rerun_skips_finished_cells(clean_run, toy_data, monkeypatch):
     out, res = clean_run
     before = _folder_contents(out)
 
@@ -118,12 +83,12 @@ def test_rerun_skips_finished_cells(clean_run, data, monkeypatch):
         raise AssertionError("a finished cell was recomputed")
 
     monkeypatch.setattr(bm.Benchmark, "evaluate_group", boom)
-    again = run_eval(_cfg(data, out))
+    again = run_eval(_cfg(toy_data, out))
     assert again.cells == res.cells and again.markdown == res.markdown
     assert _folder_contents(out) == before
 
 
-def test_interrupted_run_resumes_to_identical_results(clean_run, data, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_to_identical_results(clean_run, toy_data, tmp_path, monkeypatch):
     clean_out, _ = clean_run
     out = tmp_path / "crashy"
     calls = {"n": 0}
@@ -137,7 +102,7 @@ def test_interrupted_run_resumes_to_identical_results(clean_run, data, tmp_path,
 
     monkeypatch.setattr(bm.Benchmark, "evaluate_group", crash_on_fifth)
     with pytest.raises(KeyboardInterrupt):
-        run_eval(_cfg(data, out))
+        run_eval(_cfg(toy_data, out))
     crashed = cell_dir(out, "toy", "tiny", "knorm", 0.25)
     assert not (crashed / "metrics.json").exists() and not (crashed / "predictions.jsonl").exists()
     partial = crashed / "predictions.partial.rank0.jsonl"
@@ -154,18 +119,18 @@ def test_interrupted_run_resumes_to_identical_results(clean_run, data, tmp_path,
         return counting(self, job)
 
     monkeypatch.setattr(bm.Benchmark, "evaluate_group", count)
-    run_eval(_cfg(data, out))
+    run_eval(_cfg(toy_data, out))
     assert calls["n"] == 3 * len(CELLS) - 3 - 1  # neither the finished cell nor the finished group reran
     assert _folder_contents(out) == _folder_contents(clean_out)
 
 
-def test_changed_config_in_same_folder_raises(clean_run, data):
+def test_changed_config_in_same_folder_raises(clean_run, toy_data):
     out, _ = clean_run
     with pytest.raises(ValueError, match="different configuration"):
-        run_eval(_cfg(data, out, "generation.max_new_tokens=4"))
+        run_eval(_cfg(toy_data, out, "generation.max_new_tokens=4"))
 
 
-def test_folder_written_before_an_option_existed_is_still_finished(clean_run, data, tmp_path):
+def test_folder_written_before_an_option_existed_is_still_finished(clean_run, toy_data, tmp_path):
     """A cell's config.yaml that lacks an option which now exists at its default is the same cell (an upgrade does
     not orphan finished results); the option at another value, or any other change, is a different cell."""
     import shutil
@@ -178,16 +143,16 @@ def test_folder_written_before_an_option_existed_is_still_finished(clean_run, da
     assert "  compress_questions: false\n" in text
     cfg_path.write_text(text.replace("  compress_questions: false\n", ""))  # as written before the option existed
     before = _folder_contents(out)
-    run_eval(_cfg(data, out))  # every cell finished: nothing recomputed or rewritten
+    run_eval(_cfg(toy_data, out))  # every cell finished: nothing recomputed or rewritten
     assert _folder_contents(out) == before
     with pytest.raises(ValueError, match="different configuration"):
-        run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]", "generation.compress_questions=true"))
+        run_eval(_cfg(toy_data, out, "methods=[knorm]", "ratios=[0.5]", "generation.compress_questions=true"))
     cfg_path.write_text(text.replace("  compress_questions: false\n", "").replace("seed: 42", "seed: 41"))
     with pytest.raises(ValueError, match="different configuration"):
-        run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]"))
+        run_eval(_cfg(toy_data, out, "methods=[knorm]", "ratios=[0.5]"))
 
 
-def test_folder_decoded_before_the_eos_rule_is_refused_unless_asked_for(clean_run, data, tmp_path):
+def test_folder_decoded_before_the_eos_rule_is_refused_unless_asked_for(clean_run, toy_data, tmp_path):
     """A cell written before ``generation.min_new_tokens`` existed stopped on a first-token eos (the rule 0): under
     the default 1 its answers may differ, so it is a different cell; ``min_new_tokens=0`` reuses it."""
     import shutil
@@ -200,40 +165,40 @@ def test_folder_decoded_before_the_eos_rule_is_refused_unless_asked_for(clean_ru
     assert "  min_new_tokens: 1\n" in text
     cfg_path.write_text(text.replace("  min_new_tokens: 1\n", ""))
     with pytest.raises(ValueError, match="different configuration"):
-        run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]"))
+        run_eval(_cfg(toy_data, out, "methods=[knorm]", "ratios=[0.5]"))
     before = _folder_contents(out)
-    run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]", "generation.min_new_tokens=0", "reference=false"))
+    run_eval(_cfg(toy_data, out, "methods=[knorm]", "ratios=[0.5]", "generation.min_new_tokens=0", "reference=false"))
     assert _folder_contents(out) == before  # finished under the rule it was computed with: nothing recomputed
 
 
-def test_clear_errors(data, tmp_path):
+def test_clear_errors(toy_data, tmp_path):
     with pytest.raises(ValueError, match="unknown method 'nope'.*registered presses"):
-        _cfg(data, tmp_path, "methods=[nope]")
+        _cfg(toy_data, tmp_path, "methods=[nope]")
     with pytest.raises(ValueError, match="unknown benchmark 'nobench'"):
-        _cfg(data, tmp_path, "datasets.toy.kind=nobench")
+        _cfg(toy_data, tmp_path, "datasets.toy.kind=nobench")
     with pytest.raises(ValueError, match=r"unknown task\(s\) \['nope'\]"):
-        run_eval(_cfg(data, tmp_path, "datasets.toy.tasks=[nope]"))
+        run_eval(_cfg(toy_data, tmp_path, "datasets.toy.tasks=[nope]"))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(EmptyDatasetError, match="no samples"):
         run_eval(_cfg(empty, tmp_path, f"datasets.toy.source={empty}"))
     with pytest.raises(ContextWindowError, match="context window is 8192"):
-        run_eval(_cfg(data, tmp_path, "datasets.toy.lengths=[100000]"))
+        run_eval(_cfg(toy_data, tmp_path, "datasets.toy.lengths=[100000]"))
     with pytest.raises(ValueError, match=r"ratios\[0\] must be in \(0, 1\)"):
-        _cfg(data, tmp_path, "ratios=[1.0]")
+        _cfg(toy_data, tmp_path, "ratios=[1.0]")
 
 
-def test_wandb_offline_tracker(data, tmp_path, monkeypatch):
+def test_wandb_offline_tracker(toy_data, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run_eval(_cfg(data, tmp_path / "out", "tracker.name=wandb", "methods=[knorm]", "ratios=[0.5]"))
+    run_eval(_cfg(toy_data, tmp_path / "out", "tracker.name=wandb", "methods=[knorm]", "ratios=[0.5]"))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 
 
-def test_two_cpu_processes_match_one(clean_run, data, tmp_path):
+def test_two_cpu_processes_match_one(clean_run, toy_data, tmp_path):
     """``accelerate launch`` with 2 gloo processes on CPU (env.md §5) splits contexts and merges on the main process."""
     clean_out, _ = clean_run
     out = tmp_path / "two"
@@ -241,7 +206,7 @@ def test_two_cpu_processes_match_one(clean_run, data, tmp_path):
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--num_cpu_threads_per_process", "1", "eval.py", *_argv(data, out),
+        "--num_cpu_threads_per_process", "1", "eval.py", *eval_argv(toy_data, out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -256,7 +221,7 @@ def test_two_cpu_processes_match_one(clean_run, data, tmp_path):
 
 
 @pytest.mark.slow  # a subprocess start costs 10-40 s on a busy 2-core machine; the in-process crash test covers the logic
-def test_sigkill_mid_grid_then_rerun_matches(clean_run, data, tmp_path):
+def test_sigkill_mid_grid_then_rerun_matches(clean_run, toy_data, tmp_path):
     """A real ``kill -9`` while a cell is half done: the rerun completes to byte-identical results folders."""
     import signal
     import time
@@ -265,7 +230,7 @@ def test_sigkill_mid_grid_then_rerun_matches(clean_run, data, tmp_path):
     out = tmp_path / "killed"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.Popen(
-        [sys.executable, "eval.py", *_argv(data, out)],
+        [sys.executable, "eval.py", *eval_argv(toy_data, out)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -280,15 +245,15 @@ def test_sigkill_mid_grid_then_rerun_matches(clean_run, data, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (partial.parent / "metrics.json").exists()
-    run_eval(_cfg(data, out))
+    run_eval(_cfg(toy_data, out))
     assert _folder_contents(out) == _folder_contents(clean_out)
 
 
-def test_method_labels_and_report_table(data, tmp_path):
+def test_method_labels_and_report_table(toy_data, tmp_path):
     from core_kv.eval.report import markdown_report
     from core_kv.eval.runner import _build_press
 
-    cfg = _cfg(data, tmp_path, "methods=[ada_snapkv]", "press_options.ada_snapkv={kind: adakv, press: snapkv}")
+    cfg = _cfg(toy_data, tmp_path, "methods=[ada_snapkv]", "press_options.ada_snapkv={kind: adakv, press: snapkv}")
     press = _build_press(cfg, "ada_snapkv", 0.5)
     assert press.name == "adakv" and press.press.name == "snapkv" and press.compression_ratio == 0.5
 
@@ -348,12 +313,12 @@ def test_tied_points_are_drawn_side_by_side_and_others_stay_put():
     assert len(set(MARKERS)) == len(MARKERS) >= 10
 
 
-def test_eval_py_output_ends_with_its_warnings_then_the_report_and_plots(data, tmp_path, capsys, monkeypatch):
+def test_eval_py_output_ends_with_its_warnings_then_the_report_and_plots(toy_data, tmp_path, capsys, monkeypatch):
     """The last lines of ``python eval.py`` say where the report and the plots went, after the floor warnings."""
     import runpy
 
     out = tmp_path / "cli"
-    monkeypatch.setattr(sys, "argv", ["eval.py", *_argv(data, out, "methods=[knorm]", "ratios=[0.5]")])
+    monkeypatch.setattr(sys, "argv", ["eval.py", *eval_argv(toy_data, out, "methods=[knorm]", "ratios=[0.5]")])
     runpy.run_path(str(ROOT / "eval.py"), run_name="__main__")
     tail = capsys.readouterr().out.rstrip().splitlines()[-3:]
     assert tail[0].startswith("⚠ toy: the full cache (no compression) scores")  # the tiny model answers nothing
@@ -400,10 +365,10 @@ def test_shipped_proxy_yaml_loads(path):
     "option", ["datasets.ruler.num_samples=0", "datasets.ruler.num_samples=-3", "datasets.niah.lengths=[0]",
                "datasets.niah.num_samples=0", "datasets.toy.num_samples=0"]
 )  # fmt: skip
-def test_zero_or_negative_counts_are_errors(option, data):
+def test_zero_or_negative_counts_are_errors(option, toy_data):
     """num_samples=0 silently ran 500 RULER samples per cell (``or 500``); counts must be >= 1, null means all."""
     key = option.split("=")[0].split(".")[-1]
-    extra = ["benchmarks=[ruler,niah]"] if "toy" not in option else [f"datasets.toy.source={data}"]
+    extra = ["benchmarks=[ruler,niah]"] if "toy" not in option else [f"datasets.toy.source={toy_data}"]
     with pytest.raises(ValueError, match=rf"{option.split('=')[0].replace('.', '[.]')}|{key}.*>= 1"):
         load_config(EvalConfig, ["model.name=tiny", *extra, option])
     assert (
@@ -412,7 +377,7 @@ def test_zero_or_negative_counts_are_errors(option, data):
     )
 
 
-def test_truncated_metrics_json_is_recomputed_with_a_warning(clean_run, data, tmp_path):
+def test_truncated_metrics_json_is_recomputed_with_a_warning(clean_run, toy_data, tmp_path):
     """A finished cell whose metrics.json was truncated is treated as unfinished (recomputed), naming the file."""
     import shutil
 
@@ -422,7 +387,7 @@ def test_truncated_metrics_json_is_recomputed_with_a_warning(clean_run, data, tm
     metrics = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "metrics.json"
     metrics.write_text(metrics.read_text()[:20])
     with pytest.warns(UserWarning, match=str(metrics)):
-        again = run_eval(_cfg(data, out))
+        again = run_eval(_cfg(toy_data, out))
     assert again.cells == res.cells
     assert json.loads(metrics.read_text()) == json.loads(
         (cell_dir(clean_out, "toy", "tiny", "knorm", 0.5) / "metrics.json").read_text()
@@ -483,7 +448,7 @@ def test_plot_grid_script_reads_cells_and_writes_png(tmp_path):
         mod["main"]([str(tmp_path / "refonly.csv"), str(tmp_path / "r.png")])
 
 
-def test_compress_questions_prefills_each_question_with_its_context(clean_run, data, tmp_path):
+def test_compress_questions_prefills_each_question_with_its_context(clean_run, toy_data, tmp_path):
     """The question-aware protocol: the press compresses context + question; only suffix + answer prefix follow."""
     from core_kv.eval.runner import _sha256_ids
     from core_kv.models.loading import load_model
@@ -491,14 +456,14 @@ def test_compress_questions_prefills_each_question_with_its_context(clean_run, d
 
     agnostic_out, _ = clean_run
     out = tmp_path / "aware"
-    run_eval(_cfg(data, out, "methods=[knorm]", "ratios=[0.5]", "generation.compress_questions=true"))
+    run_eval(_cfg(toy_data, out, "methods=[knorm]", "ratios=[0.5]", "generation.compress_questions=true"))
     folder = cell_dir(out, "toy", "tiny", "knorm", 0.5)
     rows = read_jsonl(folder / "predictions.jsonl")
     agnostic = read_jsonl(cell_dir(agnostic_out, "toy", "tiny", "knorm", 0.5) / "predictions.jsonl")
     assert json.loads((folder / "metrics.json").read_text())["num_contexts"] == 4  # the shared context splits in two
     assert [r["group_id"] for r in rows] == [0, 1, 2, 3] and all(r["question"] == "" for r in rows)
     _, tokenizer = load_model("tiny")
-    for s, r, a in zip(_samples(), rows, agnostic, strict=True):
+    for s, r, a in zip(eval_samples(), rows, agnostic, strict=True):
         enc = encode(tokenizer, s.context + s.question, [""], [s.answer_prefix])
         c_ids, q_ids = enc.context_ids[0].tolist(), enc.question_ids[0][0].tolist()
         assert r["input_hash"] == _sha256_ids(c_ids + [-1] + q_ids) != a["input_hash"]
@@ -509,7 +474,7 @@ def test_compress_questions_prefills_each_question_with_its_context(clean_run, d
 def test_compress_questions_leaves_question_free_samples_alone():
     from core_kv.eval.benchmarks import GenerationConfig
 
-    s = _samples()[0]
+    s = eval_samples()[0]
     assert GenerationConfig().fed(s) is s
     aware = GenerationConfig(compress_questions=True)
     assert aware.fed(s).context == s.context + s.question and aware.fed(s).question == ""
@@ -517,7 +482,7 @@ def test_compress_questions_leaves_question_free_samples_alone():
     assert aware.fed(blank) is blank
 
 
-def test_a_second_run_with_other_methods_reports_every_finished_cell(clean_run, data, tmp_path):
+def test_a_second_run_with_other_methods_reports_every_finished_cell(clean_run, toy_data, tmp_path):
     """A second eval.py with other methods into the same output_dir rewrote report.md / results.json with its own
     rows only; both now cover every finished cell of the folder (the earlier run's are read, not recomputed)."""
     import shutil
@@ -525,7 +490,7 @@ def test_a_second_run_with_other_methods_reports_every_finished_cell(clean_run, 
     clean_out, res = clean_run
     out = tmp_path / "shared"
     shutil.copytree(clean_out, out)
-    again = run_eval(_cfg(data, out, "methods=[streaming_llm]", "ratios=[0.75]"))
+    again = run_eval(_cfg(toy_data, out, "methods=[streaming_llm]", "ratios=[0.75]"))
     got = [(c["method"], c["ratio"]) for c in again.cells]
     assert got == [("full", 0.0), ("streaming_llm", 0.75), *sorted(CELLS[1:])]
     stored = json.loads((out / "results.json").read_text())
@@ -537,15 +502,15 @@ def test_a_second_run_with_other_methods_reports_every_finished_cell(clean_run, 
     assert "| streaming_llm | 0.75 |" in report and "| 0.25 | 0.50 | 0.75 |" in report
 
 
-def test_ratio_labels_round_trip_in_folders_and_report(data, tmp_path):
+def test_ratio_labels_round_trip_in_folders_and_report(toy_data, tmp_path):
     """0.125 was labelled 0.12 (folder and report); 0.75 and 0.7549 shared a folder."""
-    res = run_eval(_cfg(data, tmp_path, "methods=[knorm]", "ratios=[0.125,0.75,0.7549]", "plots=false"))
+    res = run_eval(_cfg(toy_data, tmp_path, "methods=[knorm]", "ratios=[0.125,0.75,0.7549]", "plots=false"))
     assert sorted(p.name.rsplit("__", 1)[1] for p in tmp_path.glob("toy__*")) == ["0.00", "0.125", "0.75", "0.7549"]
     assert "| method | 0.125 | 0.75 | 0.7549 |" in res.markdown
     assert "| knorm | 0.125 |" in res.markdown
 
 
-def test_damaged_results_files_are_named_and_the_cell_recomputed_or_refused(clean_run, data, tmp_path):
+def test_damaged_results_files_are_named_and_the_cell_recomputed_or_refused(clean_run, toy_data, tmp_path):
     """``metrics.json = {}`` failed with ``KeyError: 'benchmark'``, a garbage ``config.yaml`` with
     ``UnicodeDecodeError``; neither named the file."""
     import shutil
@@ -557,18 +522,18 @@ def test_damaged_results_files_are_named_and_the_cell_recomputed_or_refused(clea
     for content in ("{}", "[1, 2]", json.dumps({**json.loads(metrics.read_text()), "method": "knorm"})):
         metrics.write_text(content)
         with pytest.warns(UserWarning, match=rf"{metrics} is unreadable .* recomputed"):
-            again = run_eval(_cfg(data, out))
+            again = run_eval(_cfg(toy_data, out))
         assert again.cells == res.cells
     config = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "config.yaml"
     before = {p: p.read_bytes() for p in config.parent.iterdir()}
     for garbage in (bytes(range(256)), b"a: [unclosed\n"):
         config.write_bytes(garbage)
         with pytest.raises(ValueError, match=rf"{config}: unreadable .*delete {config.parent}"):
-            run_eval(_cfg(data, out))
+            run_eval(_cfg(toy_data, out))
         assert (config.parent / "metrics.json").read_bytes() == before[config.parent / "metrics.json"]
 
 
-def test_a_second_evaluation_into_a_folder_being_written_is_refused(data, tmp_path):
+def test_a_second_evaluation_into_a_folder_being_written_is_refused(toy_data, tmp_path):
     import subprocess
     import sys
 
@@ -580,24 +545,24 @@ def test_a_second_evaluation_into_a_folder_being_written_is_refused(data, tmp_pa
         owner = {"pid": other.pid, "host": os.uname().nodename, "what": "evaluation", "command": "eval.py"}
         (tmp_path / LOCK_NAME).write_text(json.dumps(owner))
         with pytest.raises(FolderLocked, match=rf"being written by another evaluation \(pid {other.pid}"):
-            run_eval(_cfg(data, tmp_path))
+            run_eval(_cfg(toy_data, tmp_path))
         assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
     finally:
         other.kill()
         other.wait()
-    run_eval(_cfg(data, tmp_path, "methods=[knorm]", "ratios=[0.5]", "plots=false"))  # the owner is gone: stale
+    run_eval(_cfg(toy_data, tmp_path, "methods=[knorm]", "ratios=[0.5]", "plots=false"))  # the owner is gone: stale
     assert not (tmp_path / LOCK_NAME).exists()
 
 
-def test_every_benchmark_is_loaded_before_any_cell_runs(data, tmp_path):
+def test_every_benchmark_is_loaded_before_any_cell_runs(toy_data, tmp_path):
     """A bad second benchmark (here a missing source) used to fail after the first benchmark's cells had run."""
     with pytest.raises(FileNotFoundError, match="no JSONL samples at"):
-        run_eval(_cfg(data, tmp_path, "benchmarks=[toy,other]", "datasets.other.kind=jsonl",
+        run_eval(_cfg(toy_data, tmp_path, "benchmarks=[toy,other]", "datasets.other.kind=jsonl",
                       f"datasets.other.source={tmp_path / 'missing.jsonl'}"))  # fmt: skip
     assert not list(tmp_path.glob("toy__*"))
 
 
-def test_a_finished_cells_damaged_predictions_are_recomputed(clean_run, data, tmp_path):
+def test_a_finished_cells_damaged_predictions_are_recomputed(clean_run, toy_data, tmp_path):
     """The report's per-cell figures read predictions.jsonl back: a damaged one is found when the run starts (named,
     the cell recomputed), not at the end of the run."""
     import shutil
@@ -609,7 +574,7 @@ def test_a_finished_cells_damaged_predictions_are_recomputed(clean_run, data, tm
     for damage in (bytes(range(200)), predictions.read_bytes()[:-10], b""):
         predictions.write_bytes(damage)
         with pytest.warns(UserWarning, match=rf"{predictions} is unreadable"):
-            again = run_eval(_cfg(data, out))
+            again = run_eval(_cfg(toy_data, out))
         assert again.cells == res.cells
     assert (
         predictions.read_bytes()

@@ -14,46 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import run, tiny_args
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_args(out: Path, teacher: Path, *extra: str) -> list[str]:
-    return [
-        f"out_dir={out}",
-        f"teacher.out_dir={teacher}",
-        "teacher.chunk_size=64",
-        "teacher.protected_recent=8",  # leaves free picks at 75% on 64-token events, so Table 7 rows exist
-        "teacher.progress=false",
-        "teacher.model.random_init=true",
-        "teacher.model.path=''",
-        "teacher.model.hidden_size=64",
-        "teacher.model.num_layers=2",
-        "teacher.model.num_heads=4",
-        "teacher.model.num_kv_heads=2",
-        "teacher.model.intermediate_size=128",
-        "teacher.data.source=random",
-        "teacher.data.num_docs=3",
-        "teacher.data.calib_docs=2",
-        "teacher.data.min_len=160",
-        "teacher.data.max_len=200",
-        "train_docs=4",
-        "calib_docs=2",
-        "eval_docs=1",
-        "eval_ratios=[0.75]",
-        "indexer.warmup_steps=2",
-        "indexer.records_per_micro=4",
-        "indexer.steps=3",
-        "memory.steps=2",
-        "save_every=1",
-        "progress=false",
-        *extra,
-    ]
-
-
-def run(args: list[str]) -> dict:
-    import train
-
-    return train.main(args)
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:

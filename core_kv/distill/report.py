@@ -1,4 +1,5 @@
-"""The distillation run's reports: the console summary and ``<out_dir>/report.md`` (the tables of ``docs/notebook.md``)."""
+"""The distillation run's reports: the console summary and ``<out_dir>/report.md`` (the tables of
+``research/notebook.md``)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def format_summary(summary: dict) -> str:
 
 
 def distill_report_markdown(summary: dict) -> str:
-    """The summary as the markdown tables of ``docs/notebook.md`` (also written to ``<out_dir>/report.md``)."""
+    """The summary as the markdown tables of ``research/notebook.md`` (also written to ``<out_dir>/report.md``)."""
     ev, lines = summary["eval"], [symbols_legend(markdown=True)]
     lines += ["| ratio | candidates | KL(p* ‖ softmax s) | Top-B overlap (free picks) |", "|---|---|---|---|"]
     for tag, r in ev.items():

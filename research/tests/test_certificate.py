@@ -14,7 +14,7 @@ from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from core_kv.teacher.geometry import fit_geometry
 from research.certificate import CertifiedCorePress, certificate_terms
-from tests.conftest import tiny_model
+from tests.helpers import logits_after, tiny_model
 
 N = 200
 
@@ -80,7 +80,6 @@ def test_certificate_logged_per_head_and_exact_bound_holds(path, llama):
 def test_logging_changes_nothing_the_press_computes(path, llama):
     """The certified press keeps the same sets and gives the same logits as the plain ``core`` press."""
     from core_kv.models.cache import kv_bytes
-    from tests.test_core_press import logits_after
 
     ctx, q = ids(), ids(6, seed=2)
     plain = build_press("core", checkpoint=str(path), policy="paper", compression_ratio=0.75)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_entry import run, tiny_args
+from tests.helpers import run, tiny_args
 
 
 @pytest.fixture(scope="module")
