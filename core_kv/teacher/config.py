@@ -1,5 +1,6 @@
-"""The teacher run's typed config: the frozen model, the documents, the events and the solver (YAML diffs in
-``configs/teacher/``)."""
+"""The teacher run's typed config: the frozen model (:class:`~core_kv.models.loading.ModelSpec`), the documents
+(:class:`~core_kv.documents.DataSpec`), the events and the solver (YAML diffs in ``configs/teacher/``), and the event
+times inside a document (:func:`event_times`)."""
 
 from __future__ import annotations
 
