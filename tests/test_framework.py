@@ -11,8 +11,8 @@ import torch
 
 from core_kv.config import load_config, to_dict
 from core_kv.files import atomic_write_json, read_jsonl
-from core_kv.models.attention import RaggedKV, UnsupportedModelError, decoder_layers, ragged_sdpa
-from core_kv.models.cache import RESERVE_TOKENS, RaggedLayer, kv_bytes
+from core_kv.models.attention import UnsupportedModelError, decoder_layers, ragged_sdpa
+from core_kv.models.cache import RESERVE_TOKENS, RaggedKV, RaggedLayer, kv_bytes
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
 from tests.helpers import tiny_model

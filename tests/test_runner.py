@@ -582,8 +582,9 @@ def test_a_finished_cells_damaged_predictions_are_recomputed(clean_run, toy_data
     )
 
 
-def test_a_reference_with_non_finite_logits_is_not_stored_and_the_repaired_rerun_computes_it(clean_run, data, tmp_path,
-                                                                                              monkeypatch):  # fmt: skip
+def test_a_reference_with_non_finite_logits_is_not_stored_and_the_repaired_rerun_computes_it(
+    clean_run, toy_data, tmp_path, monkeypatch
+):
     """With NaN weights the full-cache cell was stored as finished (prediction '!', score 0) before the press
     refused; after the weights were repaired the rerun skipped it."""
     import torch
@@ -602,14 +603,14 @@ def test_a_reference_with_non_finite_logits_is_not_stored_and_the_repaired_rerun
 
     monkeypatch.setattr(runner, "load_model", broken)
     with pytest.raises(FloatingPointError, match="non-finite logits .* nothing is stored for this cell"):
-        run_eval(_cfg(data, out))
+        run_eval(_cfg(toy_data, out))
     reference = list(out.glob("toy__tiny-random__full__*"))
     assert len(reference) == 1  # the reference runs first: its folder holds its config, nothing else
     for folder in reference:
         assert not (folder / "metrics.json").exists() and not (folder / "predictions.jsonl").exists()
         assert not any(p.read_text().strip() for p in folder.glob("predictions.partial.rank*.jsonl"))
     monkeypatch.setattr(runner, "load_model", real)
-    run_eval(_cfg(data, out))  # repaired: every cell computed, the reference too
+    run_eval(_cfg(toy_data, out))  # repaired: every cell computed, the reference too
     assert _folder_contents(out) == _folder_contents(clean_out)
 
 

@@ -1,22 +1,66 @@
-"""The run context every distillation stage reads: the shared objects of one run and its folder layout.
+"""The contexts distillation reads: the shared objects of one run and its folder layout (:class:`RunContext`), and
+the frozen things a trainable step needs (:class:`StepContext`) with the items it is fed (:class:`DocItem`).
 
 :class:`RunContext` is what :mod:`~core_kv.distill.loop`, :mod:`~core_kv.distill.stages`,
 :mod:`~core_kv.distill.evaluate` and :mod:`~core_kv.distill.timing` take; :class:`~core_kv.distill.trainer.Trainer`
 fills it (base model, teacher data, CORE model) and decides what a rerun keeps. The stages import this module, never
-the trainer, so imports inside ``distill/`` flow one way: context <- loop/stages/evaluate/timing <- trainer.
+the trainer, so imports inside ``distill/`` flow one way: context <- steps/loop <- stages/evaluate/timing <- trainer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
 from tqdm import tqdm
 
-from core_kv.distill.replay import ReplaySpec, Timer
-from core_kv.distill.steps import DocItem, StepContext
-from core_kv.documents import make_docs
+from core_kv.distill.replay import ReplaySpec, Timer, capture, cascade_capture, replay_layer
+from core_kv.documents import Doc, make_docs
+from core_kv.geometry import Geometry
+from core_kv.teacher.config import event_times
+
+
+@dataclass
+class DocItem:
+    """A document and the compression ratio it is replayed at."""
+
+    doc: Doc
+    ratio: float
+
+
+@dataclass
+class StepContext:
+    """Frozen things a step needs (not part of the trained module)."""
+
+    model: nn.Module
+    geometry: Geometry
+    spec: ReplaySpec
+    timer: Timer
+    autocast: object = None
+
+    def acts(self, doc: Doc):
+        device = next(self.model.parameters()).device
+        with self.timer("base_forward"):
+            return capture(self.model, torch.tensor([doc.ids], device=device), self.autocast)
+
+    def cascade_acts(self, doc: Doc, ratio: float, score_fn) -> list:
+        """Activations of the compressed cascade at ``ratio``: the student's (``score_fn``) retained sets replace
+        the cache in every layer (:func:`~core_kv.distill.replay.cascade_capture`)."""
+        device = next(self.model.parameters()).device
+        spec = replace(self.spec, ratio=ratio, policy="student", targets=False, utility=False)
+        times = self.times(doc)
+
+        def replay(layer, acts):
+            return replay_layer(acts, layer, times, doc.qa_start, self.geometry, spec, score_fn, self.timer)
+
+        with self.timer("base_forward"):
+            return cascade_capture(self.model, torch.tensor([doc.ids], device=device), replay, self.autocast)
+
+    def times(self, doc: Doc) -> list[int]:
+        return event_times(len(doc.ids), doc.qa_start, self.spec.chunk_size)
 
 
 @dataclass(eq=False)

@@ -13,10 +13,10 @@ import torch
 from tqdm import tqdm
 
 from core_kv.budget import budget_split, protected_mask, top_free
-from core_kv.distill.context import RunContext
+from core_kv.distill.context import DocItem, RunContext
 from core_kv.distill.losses import calibration_error, excluded_mass, kl_to_teacher, topb_overlap
 from core_kv.distill.replay import replay_layer
-from core_kv.distill.steps import DocItem, MemoryStep
+from core_kv.distill.steps import MemoryStep
 from core_kv.distill.timing import profile
 from core_kv.nystrom import normalised_beta_b
 from core_kv.teacher.metrics import greedy_select, set_quality

@@ -2,7 +2,8 @@
 
 Accelerate wraps these modules (DDP / DeepSpeed), so the whole replay of a micro-batch runs inside ``forward`` —
 the student's retention decisions at event e depend on its current weights, so they cannot be precomputed.
-Frozen context (base model, geometry, frozen indexer) is held outside the module tree so the wrapper never
+Frozen context (base model, geometry, frozen indexer; :class:`~core_kv.distill.context.StepContext`) is held outside
+the module tree so the wrapper never
 broadcasts or trains it.
 
 - :class:`WarmupStep`: KL on the teacher dataset's records (teacher-forced, full-cache candidates).
@@ -16,12 +17,13 @@ micro-batch of 2 equals two accumulated micro-batches of 1 and one process with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from core_kv.budget import protected_mask
+from core_kv.distill.context import DocItem, StepContext
 from core_kv.distill.losses import (
     kl_to_teacher,
     memory_loss,
@@ -30,53 +32,10 @@ from core_kv.distill.losses import (
     topb_boundary_bce,
     topb_overlap,
 )
-from core_kv.distill.replay import ReplaySpec, Timer, capture, cascade_capture, replay_layer, segment_attention
-from core_kv.documents import Doc
-from core_kv.geometry import Geometry
+from core_kv.distill.replay import replay_layer, segment_attention
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import LatentMemory, write_weights
-from core_kv.teacher.config import event_times
 from core_kv.teacher.dataset import TeacherRecord
-
-
-@dataclass
-class DocItem:
-    """A document and the compression ratio it is replayed at."""
-
-    doc: Doc
-    ratio: float
-
-
-@dataclass
-class StepContext:
-    """Frozen things a step needs (not part of the trained module)."""
-
-    model: nn.Module
-    geometry: Geometry
-    spec: ReplaySpec
-    timer: Timer
-    autocast: object = None
-
-    def acts(self, doc: Doc):
-        device = next(self.model.parameters()).device
-        with self.timer("base_forward"):
-            return capture(self.model, torch.tensor([doc.ids], device=device), self.autocast)
-
-    def cascade_acts(self, doc: Doc, ratio: float, score_fn) -> list:
-        """Activations of the compressed cascade at ``ratio``: the student's (``score_fn``) retained sets replace
-        the cache in every layer (:func:`~core_kv.distill.replay.cascade_capture`)."""
-        device = next(self.model.parameters()).device
-        spec = replace(self.spec, ratio=ratio, policy="student", targets=False, utility=False)
-        times = self.times(doc)
-
-        def replay(layer, acts):
-            return replay_layer(acts, layer, times, doc.qa_start, self.geometry, spec, score_fn, self.timer)
-
-        with self.timer("base_forward"):
-            return cascade_capture(self.model, torch.tensor([doc.ids], device=device), replay, self.autocast)
-
-    def times(self, doc: Doc) -> list[int]:
-        return event_times(len(doc.ids), doc.qa_start, self.spec.chunk_size)
 
 
 def _zero(module: nn.Module) -> torch.Tensor:

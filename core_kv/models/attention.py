@@ -35,6 +35,8 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from core_kv.models.cache import RaggedKV
+
 
 @dataclass(frozen=True)
 class Family:
@@ -325,25 +327,6 @@ def attention_inputs(model: nn.Module, fn: Callable[[int, nn.Module, torch.Tenso
 
 # ----------------------------------------------------------------------------------------------------------------
 # Ragged attention
-
-
-class RaggedKV:
-    """What a ragged cache layer (:class:`core_kv.models.cache.RaggedLayer`) hands to the attention function instead of
-    rectangular K/V tensors: the layer and how many tokens (the forward's queries) were just appended to every head.
-    Defined beside the attention that reads it (:func:`ragged_sdpa`: ``layer.num_heads``, ``layer.head(h)``); the cache
-    imports it."""
-
-    def __init__(self, layer, new_tokens: int):
-        self.layer = layer
-        self.new_tokens = new_tokens
-
-    @property
-    def num_heads(self) -> int:
-        return self.layer.num_heads
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:  # rectangular view of the longest head, for shape-only readers
-        return (1, self.layer.num_heads, self.layer.get_seq_length(), self.layer.head_dim)
 
 
 def ragged_sdpa(

@@ -18,8 +18,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from core_kv.models.attention import RaggedKV
-
 
 def cache_from_kwargs(kwargs: dict) -> Cache | None:
     """The cache object an attention module received (``cache`` from 5.24 on, ``past_key_values`` before)."""
@@ -78,6 +76,23 @@ class HeadGroup:
     heads: torch.Tensor  # (h_g,) KV-head indices, ascending
     keys: torch.Tensor  # (B, h_g, S_g, D)
     values: torch.Tensor  # (B, h_g, S_g, D)
+
+
+class RaggedKV:
+    """What :meth:`RaggedLayer.update` hands to the attention function instead of rectangular K/V tensors: the layer
+    and how many tokens (the forward's queries) were just appended to every head."""
+
+    def __init__(self, layer: RaggedLayer, new_tokens: int):
+        self.layer = layer
+        self.new_tokens = new_tokens
+
+    @property
+    def num_heads(self) -> int:
+        return self.layer.num_heads
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:  # rectangular view of the longest head, for shape-only readers
+        return (1, self.layer.num_heads, self.layer.get_seq_length(), self.layer.head_dim)
 
 
 class RaggedLayer(DynamicLayer):
