@@ -7,8 +7,8 @@
 - :mod:`~core_kv.teacher.solver`: ``p* = argmax −KL(p‖π_U) + λ F_cov(p)`` by damped mirror ascent (R0 = 8).
 - :mod:`~core_kv.teacher.metrics`: Table 5 residuals/agreement and Table 7 set quality.
 - :mod:`~core_kv.teacher.dataset`: safetensors shards + manifest, and the reader that refuses mismatches.
-- :mod:`~core_kv.teacher.config` (the typed config), (its model: :func:`core_kv.models.loading.load_from_spec`;
-  its documents: :mod:`core_kv.documents`),
+- :mod:`~core_kv.teacher.config` (the typed config and the event times; its model loads with
+  :func:`core_kv.models.loading.load_from_spec`, its documents are :mod:`core_kv.documents`'s),
   :mod:`~core_kv.teacher.run` (the collection; ``python -m core_kv.teacher --config ...``),
   :mod:`~core_kv.teacher.report` (summary and text report).
 
