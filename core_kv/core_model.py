@@ -25,9 +25,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from core_kv.features import FEATURE_SPECS, spec, spec_differences
 from core_kv.geometry import Geometry
-from core_kv.models.fingerprint import FingerprintMismatch, check_fingerprint, model_fingerprint
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
+from core_kv.models.fingerprint import FingerprintMismatch, check_fingerprint, model_fingerprint
 from core_kv.models.loading import looks_local
 from core_kv.policy import PAPER, InferencePolicy
 

@@ -41,6 +41,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("core_kv.run",),  # train.py's run: distillation, then the policy stage
 ]
 
+
 def floor_of(module: str) -> int:
     best, depth = None, -1
     for level, prefixes in enumerate(FLOORS):
@@ -212,14 +213,7 @@ def test_no_compatibility_shims():
     assert not shims, f"module-level __getattr__ shims: {shims}"
 
 
-# tests/test_released_press.py (which takes its fixtures from test_online) leaves with the released recipe (issue 58
-# part A, see LEAVING); delete this exception with LEAVING.
-LEAVING_TESTS = frozenset({"tests/test_released_press.py"})
-TEST_FILES = sorted(
-    p
-    for p in [*(ROOT / "tests").glob("*.py"), *(ROOT / "research" / "tests").glob("*.py")]
-    if str(p.relative_to(ROOT)) not in LEAVING_TESTS
-)
+TEST_FILES = sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "research").rglob("tests/*.py")])
 
 
 def imported_test_modules(path: Path) -> list[tuple[int, str]]:

@@ -13,10 +13,10 @@ from typing import ClassVar
 
 from core_kv.config import ConfigError, check_on_init, folder, non_empty, option
 from core_kv.distill.replay import SELECTIONS
-from core_kv.memory import WRITE_RULES
-from core_kv.policy import PolicyStageConfig
 from core_kv.documents import DataSpec
+from core_kv.memory import WRITE_RULES
 from core_kv.models.loading import ModelSpec
+from core_kv.policy import PolicyStageConfig
 from core_kv.teacher.config import TeacherConfig
 
 

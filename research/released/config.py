@@ -19,13 +19,13 @@ micro-batches, ``online_batch_size``).
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from core_kv.config import ConfigError, non_empty, option
 from core_kv.distill.config import TrainConfig
+from core_kv.schedules import wsd_cosine
 from research.released.features import ablated_names
 from research.released.teacher import DriveConfig
 
@@ -152,13 +152,7 @@ class ScheduleOptions:
     def lr_at(self, step: int) -> float:
         """The WSD learning rate after ``step`` optimizer steps of the whole schedule: linear warm-up from 0, constant
         ``lr_peak``, cosine decay to ``lr_final`` (held there after the schedule's end)."""
-        if step < self.warmup:
-            return self.lr_peak * step / max(1, self.warmup)
-        if step < self.warmup + self.stable:
-            return self.lr_peak
-        d = min(1.0, max(0.0, (step - self.warmup - self.stable) / max(1, self.decay)))
-        ratio = self.lr_final / self.lr_peak
-        return self.lr_peak * (ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * d)))
+        return wsd_cosine(step, self.lr_peak, self.lr_final, self.warmup, self.stable, self.decay)
 
     def seq_len(self, step: int) -> int:
         """The training length at global optimizer step ``step`` (1-based, as the release counts)."""

@@ -51,9 +51,9 @@ from core_kv.distill.loop import run_stage
 from core_kv.distill.replay import Timer, capture
 from core_kv.distill.timing import timing
 from core_kv.distill.trainer import Trainer, register_recipe
+from core_kv.documents import Doc, make_docs
 from core_kv.models.attention import LayerQKV
 from core_kv.teacher.config import TeacherConfig
-from core_kv.documents import Doc, make_docs
 from research.released.config import ReleasedOptions, ReleasedTrainConfig
 from research.released.features import SPEC, ablated_names, compute_features_v3, special_mask
 from research.released.geometry import KeyGeometry

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core_kv.geometry import model_fingerprint
 from core_kv.models.cache import cache_kwarg
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.models.tiny import tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import base as press_base

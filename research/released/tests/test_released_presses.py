@@ -8,8 +8,8 @@ from transformers import DynamicCache
 
 from core_kv.budget import kept_tokens
 from core_kv.distill.replay import capture
-from core_kv.models.fingerprint import model_fingerprint
 from core_kv.models.attention import attention_modules
+from core_kv.models.fingerprint import model_fingerprint
 from core_kv.models.tiny import tiny_lm
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
