@@ -217,8 +217,9 @@ TEST_FILES = sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "research").rglob(
 
 
 def imported_test_modules(path: Path) -> list[tuple[int, str]]:
-    """``(line, module)`` of every import of a ``test_*`` module in ``path`` (``from tests.test_x import ...``,
-    ``from test_x import ...``, ``import tests.test_x``)."""
+    """``(line, module)`` of every import of a ``test_*`` module or of a ``conftest`` in ``path`` (``from
+    tests.test_x import ...``, ``from test_x import ...``, ``import tests.test_x``, ``from conftest import ...``,
+    ``__import__("conftest")``, ``importlib.import_module("tests.test_x")``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         names = []
@@ -228,13 +229,19 @@ def imported_test_modules(path: Path) -> list[tuple[int, str]]:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names if node.module == "tests"]
         elif isinstance(node, ast.ImportFrom) and node.level:  # from . import test_x
             names = [a.name for a in node.names]
-        found += [(node.lineno, n) for n in names if any(p.startswith("test_") for p in n.split("."))]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in ("__import__", "import_module") and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        found += [
+            (node.lineno, n) for n in names if any(p.startswith("test_") or p == "conftest" for p in n.split("."))
+        ]
     return found
 
 
 @pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_test_module_imports_another(path):
-    """Shared fixtures live in ``tests/conftest.py``, shared helpers in ``tests/helpers.py``."""
+    """Shared fixtures live in ``tests/conftest.py`` (pytest supplies them), shared helpers in ``tests/helpers.py``."""
     bad = imported_test_modules(path)
     assert not bad, f"{path.relative_to(ROOT)} imports test modules (move the shared part to tests/helpers.py): {bad}"
 
@@ -272,5 +279,10 @@ def test_the_checker_finds_circles_and_floors(tmp_path):
 
 def test_the_checker_sees_a_test_module_import(tmp_path):
     f = tmp_path / "test_x.py"
-    f.write_text("from tests.test_core_press import artifact\nfrom tests import helpers, test_runner\nimport pytest\n")
-    assert imported_test_modules(f) == [(1, "tests.test_core_press"), (2, "tests.test_runner")]
+    f.write_text(
+        "from tests.test_core_press import artifact\nfrom tests import helpers, test_runner\nimport pytest\n"
+        "from tests.conftest import llama\nx = __import__('conftest').tiny_model()\n"
+    )
+    assert imported_test_modules(f) == [
+        (1, "tests.test_core_press"), (2, "tests.test_runner"), (4, "tests.conftest"), (5, "conftest")
+    ]  # fmt: skip

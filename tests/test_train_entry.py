@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import run, tiny_args
+from tests.helpers import run, tiny_args, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_artifact_refuses_other_base_model(reference, llama):
     from core_kv.core_model import CoreModel
     from core_kv.models.fingerprint import FingerprintMismatch
 
-    other = __import__("conftest").tiny_model("llama", seed=3)
+    other = tiny_model("llama", seed=3)
     with pytest.raises(FingerprintMismatch, match="k_proj_digest"):
         CoreModel.from_pretrained(reference / "final", base_model=other)
     from core_kv.models.tiny import tiny_lm
