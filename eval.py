@@ -12,6 +12,7 @@ Examples::
 
     python eval.py                                              # the default suite: SmolLM2, RULER 1k + NIAH, CORE + 4 presses at 75%
     python eval.py configs/eval/smoke.yaml                      # < 1 min pipeline check on a tiny random model
+    python eval.py --help presses                               # every press's options: type, default, doc
     python eval.py "methods=[core,snapkv]" "ratios=[0.5,0.9]"   # CORE (the shipped SmolLM2 artifact) vs SnapKV
     python eval.py model.name=checkpoints/proxy-lm "methods=[core,knorm]" "benchmarks=[ruler]" \\
         press_options.core.checkpoint=checkpoints/core-proxy/final output_dir=results/proxy   # your artifact + model
@@ -23,14 +24,15 @@ The run prints a table per benchmark and ends with where the report (``<output_d
 (``<output_dir>/plots/``) went.
 """
 
+import dataclasses
 import sys
 import textwrap
 
-from core_kv.config import import_plugins, load_config, shipped_configs
+from core_kv.config import import_plugins, load_config, options_help, shipped_configs
 from core_kv.eval.benchmarks import BENCHMARKS
 from core_kv.eval.runner import DEFAULT_CORE_CHECKPOINT, EvalConfig, run_eval
 from core_kv.models.loading import PROXY_PATH
-from core_kv.presses.base import PRESSES
+from core_kv.presses.base import PRESSES, BasePress
 
 ROOT = PROXY_PATH.parents[1]
 
@@ -42,7 +44,8 @@ def usage() -> str:
     presses = textwrap.fill(", ".join(sorted(PRESSES)), 116, initial_indent="  ", subsequent_indent="  ")
     return "\n".join([
         __doc__.strip(), "",
-        "registered presses (methods=[...]; press_options.<method>.<option>=<value> sets a constructor option):",
+        "registered presses (methods=[...]; press_options.<method>.<option>=<value> sets a constructor option; "
+        "`--help presses` lists them):",
         presses,
         f"  core needs its trained artifact: press_options.core.checkpoint=<folder> (default {DEFAULT_CORE_CHECKPOINT},",
         "  SmolLM2's); a label of your own runs a configured press: press_options.<label>={kind: <press>, ...}",
@@ -57,8 +60,26 @@ def with_plugins(raw) -> type[EvalConfig]:
     return EvalConfig
 
 
+def press_help() -> str:
+    """Every registered press's constructor options (``--help presses``): those every press shares, then each press's
+    own, read from the dataclass fields of :data:`~core_kv.presses.base.PRESSES`."""
+    import core_kv.presses  # noqa: F401  (registers every press)
+
+    shared = tuple(f.name for f in dataclasses.fields(BasePress))
+    lines = ["press options: methods=[<press>] and press_options.<press>.<option>=<value> (docs/presses.md)", "",
+             "every press:", *options_help(BasePress)]  # fmt: skip
+    for name in sorted(PRESSES):
+        cls = PRESSES[name]
+        own = options_help(cls, skip=shared)
+        lines += ["", f"{name} ({cls.__name__}){':' if own else ': no options of its own'}", *own]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv) and "presses" in argv:
+        print(press_help())
+        return
     cfg = load_config(EvalConfig, argv, usage() if {"-h", "--help"} & set(argv) else __doc__, resolve=with_plugins)
     results = run_eval(cfg)
     if results.markdown:

@@ -395,12 +395,42 @@ def config_help(schema: type, usage: str | None = None, width: int = 118) -> str
         head = "usage: " + head
     rows: list[tuple[str, str, str, str]] = []
     _field_rows(schema, schema(), "", rows)
-    wn, wt = max(len(r[0]) for r in rows), min(max(len(r[1]) for r in rows), 28)
     lines = [head, "", f"options ({schema.__name__}: YAML files and a.b=v overrides; nested fields by dotted name):"]
+    return "\n".join(lines + _format_rows(rows, width))
+
+
+def options_help(cls: type, skip: tuple[str, ...] = (), width: int = 118) -> list[str]:
+    """The constructor options of dataclass ``cls`` (its ``init`` fields but ``skip``), as :func:`config_help` lists
+    a config's: ``name  type  = default`` (``required`` when it has none) and the field's doc below. The defaults are
+    the declared ones: ``cls`` is never instantiated (a press would load its checkpoint)."""
+    hints, docs = typing.get_type_hints(cls), {}
+    for klass in reversed(cls.__mro__):  # a subclass's doc of a field wins over its base's
+        if dataclasses.is_dataclass(klass):
+            docs.update(_field_docs(klass))
+    rows = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in skip:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = _show(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()  # a nested press (a dataclass but no config) shows as its class
+            default = f"{type(value).__name__}()" if dataclasses.is_dataclass(value) else _show(value)
+        else:
+            default = "required"
+        rows.append((f.name, _type_name(hints.get(f.name, f.type)), default, docs.get(f.name, "")))
+    return _format_rows(rows, width)
+
+
+def _format_rows(rows: list[tuple[str, str, str, str]], width: int) -> list[str]:
+    if not rows:
+        return []
+    wn, wt = max(len(r[0]) for r in rows), min(max(len(r[1]) for r in rows), 28)
+    lines = []
     for n, t, d, doc in rows:
         lines.append(f"  {n:<{wn}}  {t:<{wt}}  = {d}")
         lines += textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6) if doc else []
-    return "\n".join(lines)
+    return lines
 
 
 def shipped_configs(folder: str | Path, root: str | Path | None = None) -> str:

@@ -28,7 +28,7 @@ from core_kv.geometry import Geometry
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
 from core_kv.models.fingerprint import FingerprintMismatch, check_fingerprint, model_fingerprint
-from core_kv.models.loading import looks_local
+from core_kv.models.loading import looks_local, quiet_loading
 from core_kv.policy import PAPER, InferencePolicy
 
 ARTIFACT_VERSION = 1
@@ -162,7 +162,8 @@ class ArtifactModel(PreTrainedModel):
                 f"CORE artifact folder {path} does not exist (expected config.json + model.safetensors)"
             )
         try:
-            core = super().from_pretrained(path, *args, **kwargs)
+            with quiet_loading():  # one press per candidate: no "Loading weights" bar for each
+                core = super().from_pretrained(path, *args, **kwargs)
         except OSError as e:  # a hub id that is not in the local cache (or cannot be downloaded)
             if Path(path).is_dir():
                 raise

@@ -61,7 +61,8 @@ def choose_policy(cfg, summary: dict) -> dict:
     atomic_write_text(report, (text[:cut] if cut >= 0 else text).rstrip() + "\n\n" + policy_markdown(policy))
     for b in policy.bands:
         print(f"[policy] ratios up to {b.upto:g}: {b.options.describe()} (validated at {b.validated_at:g})")
-    print(f"[policy] recorded in {cfg_file} (every candidate's scores: {report})")
+    print(f"[policy] recorded in {cfg_file} after {policy.validation['seconds']:.0f} s (every candidate's scores: "
+          f"{report})")  # fmt: skip
     return summary
 
 

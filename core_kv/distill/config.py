@@ -37,6 +37,23 @@ def _proxy_teacher() -> TeacherConfig:
     )
 
 
+def _proxy_policy() -> PolicyStageConfig:
+    """The proxy's policy stage, kept small for ``make train``: 4 compositions x 3 ratios x 8 prompts of 512 tokens
+    (the full grid at 2,048 tokens, :class:`~core_kv.policy.PolicyStageConfig`'s own defaults, is a recipe's choice:
+    ``configs/train/smollm2.yaml``). The proxy answers no reworded needle (accuracy 0 for every candidate), so its
+    choice rests on the answer log-prob."""
+    return PolicyStageConfig(
+        length=512,
+        per_task=2,
+        candidates=[
+            {},  # the paper's press
+            {"memory": False},
+            {"head_budgets": "adaptive", "memory": False},
+            {"head_budgets": "adaptive", "head_pool": "output", "memory": False},
+        ],
+    )
+
+
 @dataclass
 class IndexerStage:
     """Stage 2: distillation. ``warmup_steps`` on the teacher dataset's records (teacher-forced candidates: the
@@ -185,7 +202,7 @@ class TrainConfig:
     threads: int = option(0, ge=0)  # >0: torch.set_num_threads (0 = leave it)
     plugins: list[str] = option(factory=list)
     recipe: str = "replay"
-    policy: PolicyStageConfig = field(default_factory=PolicyStageConfig)
+    policy: PolicyStageConfig = field(default_factory=_proxy_policy)
 
     def __post_init__(self) -> None:
         check_on_init(self)  # every stage's options, before the first stage runs

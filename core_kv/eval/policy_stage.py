@@ -136,10 +136,14 @@ def run_policy_stage(
             raise ValueError(f"policy.candidates: {refused} do not apply to {artifact}")
         candidates = applies
     jobs = [(None, None)] + [(r, c) for r in cfg.ratios for c in candidates]
+    todo = sum(not (work / f"{_label(r, c)}.json").is_file() for r, c in jobs) * len(prompts)
+    print(f"[policy] {cost_line(len(prompts), cfg.length, len(cfg.ratios), len(candidates))}; {todo} still to run",
+          flush=True)  # fmt: skip
     bar = tqdm(total=len(jobs) * len(prompts), desc="policy", disable=not progress, unit="prompt")
     scores: dict = {}
+    timed = None  # seconds of the first prompt this invocation scores: the estimate of the rest
     for ratio, options in jobs:
-        label = "full" if options is None else f"{ratio}__{_slug(options)}"
+        label = _label(ratio, options)
         cached = work / f"{label}.json"
         if cached.is_file():
             scores[label] = json.loads(cached.read_text())
@@ -148,15 +152,20 @@ def run_policy_stage(
         press = None if options is None else candidate(artifact, ratio, options)
         rows = []
         for p in prompts:
+            t = time.perf_counter()
             rows.append({"task": p.task, **score_prompt(model, tokenizer, p, press)})
             bar.update(1)
+            if timed is None:  # the first prompt this invocation scores times the rest
+                timed = time.perf_counter() - t
+                tqdm.write(f"[policy] {timed:.1f} s per prompt: about {todo * timed / 60:.1f} min for the "
+                           f"{todo} to run")  # fmt: skip
         scores[label] = {"ratio": ratio, "options": None if options is None else options.to_dict(), **summarise(rows),
                          "per_task": {t: summarise([r for r in rows if r["task"] == t]) for t in cfg.tasks}}  # fmt: skip
         atomic_write_json(cached, scores[label])
     bar.close()
     choices, table = {}, {}
     for r in cfg.ratios:
-        results = [(c, scores[f"{r}__{_slug(c)}"]) for c in candidates]
+        results = [(c, scores[_label(r, c)]) for c in candidates]
         choices[r] = choose(results)
         table[str(r)] = [{"label": c.describe(), **s} for c, s in results]
     bands = bands_from_choices(choices)
@@ -181,6 +190,17 @@ def record(artifact: Path, policy: InferencePolicy) -> None:
 
 def _slug(options: PolicyOptions) -> str:
     return hashlib.sha256(json.dumps(options.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _label(ratio: float | None, options: PolicyOptions | None) -> str:
+    """The name of a (ratio, candidate) result in the stage's folder (``full``: the full cache)."""
+    return "full" if options is None else f"{ratio}__{_slug(options)}"
+
+
+def cost_line(prompts: int, length: int, ratios: int, candidates: int) -> str:
+    """The stage's size: prompts x (the full cache + ratios x candidates) prefills of ``length`` tokens."""
+    return (f"{prompts} prompts of {length} tokens x (1 full cache + {ratios} ratios x {candidates} candidates) = "
+            f"{prompts * (1 + ratios * candidates)} prefills")  # fmt: skip
 
 
 def policy_markdown(policy: InferencePolicy) -> str:

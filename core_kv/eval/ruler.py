@@ -48,6 +48,7 @@ import numpy as np
 from core_kv import corpus
 from core_kv.eval.schema import Sample
 from core_kv.files import atomic_write_jsonl, read_jsonl
+from core_kv.models.packaged import cache_home
 
 GENERATOR_VERSION = "ruler-head-c3f5e3b/1"
 """Bump when a change alters generated text; it is part of every cache key."""
@@ -914,8 +915,9 @@ def split_context_question(record: Mapping[str, Any], family: str) -> tuple[str,
 
 
 def default_cache_dir() -> Path:
-    """``$CORE_KV_CACHE/ruler``, by default ``~/.cache/core_kv/ruler``."""
-    return Path(os.environ.get("CORE_KV_CACHE", "~/.cache/core_kv")).expanduser() / "ruler"
+    """``<the project's cache>/ruler``: ``$CORE_KV_HOME/ruler``, by default ``~/.cache/core_kv/ruler``
+    (:func:`core_kv.models.packaged.cache_home`, the one cache variable of the project)."""
+    return cache_home() / "ruler"
 
 
 def cache_key(task: str, max_seq_length: int, seed: int, counter: TokenCounter) -> dict[str, Any]:

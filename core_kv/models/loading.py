@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -333,6 +335,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 # the files that hold a vocabulary (tokenizer_config.json alone holds none)
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
                     "sentencepiece.bpe.model", "tokenizer.tiktoken")  # fmt: skip
+
+
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights") off inside the block, as they were after it: a CORE artifact
+    is loaded once per press (the policy stage builds one per candidate and ratio), so only the base model's load
+    shows one."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
 
 
 def looks_local(name: str) -> bool:
