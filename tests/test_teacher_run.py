@@ -323,3 +323,47 @@ def test_a_given_geometry_of_another_model_is_refused_not_replaced(one_proc, tmp
     ):
         main([*TINY, f"out_dir={tmp_path / 'new'}", f"geometry_path={given}", "model.seed=1"])
     assert given.read_bytes() == before
+
+
+def test_an_interrupted_run_resumes_after_its_finished_documents(one_proc, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the third document (issue 59): the relaunch restores the first two documents' shards and
+    Recorder, runs only documents 2.., and ends with the uninterrupted run's shards (byte for byte) and metrics."""
+    import hashlib
+
+    import core_kv.teacher.run as run
+
+    reference, ref_metrics = one_proc
+    out = tmp_path / "interrupted"
+    seen: list[int] = []
+    stop = [True]  # the first launch stops inside document 2
+    real = run._layer_hook
+
+    def hook(cfg, doc, *args, **kwargs):
+        fn = real(cfg, doc, *args, **kwargs)
+
+        def wrapped(layer, *a, **k):
+            seen.append(doc.index)
+            if doc.index == 2 and layer == 1 and stop:
+                stop.clear()
+                raise KeyboardInterrupt
+            return fn(layer, *a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(run, "_layer_hook", hook)
+    with pytest.raises(KeyboardInterrupt):
+        main([*TINY, f"out_dir={out}"])
+    assert not (out / "manifest.json").exists()
+    assert json.loads((out / "parts" / "rank000.progress.json").read_text())["docs"] == 2
+    first = len(seen)
+    metrics = main([*TINY, f"out_dir={out}"])
+    assert "resuming after 2 of 3 documents" in capsys.readouterr().out
+    assert set(seen[first:]) == {2}  # only the unfinished document ran again
+    ref, got = TeacherDataset(reference).manifest, TeacherDataset(out).manifest
+    assert got["shards"] == ref["shards"] and got["num_records"] == ref["num_records"]
+    for s in ref["shards"]:
+        digest = [hashlib.sha256((d / s["file"]).read_bytes()).hexdigest() for d in (reference, out)]
+        assert digest[0] == digest[1], s["file"]
+    for table in ("table5", "table7"):
+        assert metrics[table] == ref_metrics[table]
+    assert not list((out / "parts").glob("*progress*"))  # the finished run keeps no progress files

@@ -65,7 +65,8 @@ class TeacherConfig:
         num_prototypes: coverage prototypes per (layer, KV head) (spherical k-means on ``z``) [paper Table 9: 64].
         metrics: compute Table 5 (solver residuals, Top-B agreement) and Table 7 (set quality U_B, C_B, J_B)
             into ``metrics.json`` and ``report.md``.
-        records_per_shard: records per safetensors shard.
+        records_per_shard: at most this many records per safetensors shard (a shard also ends with each document,
+            the run's resume point).
         feature_dtype: storage dtype of the 14 features (``float16`` halves the dataset; ``float32``).
         progress: show a progress bar.
     """

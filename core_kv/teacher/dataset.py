@@ -69,7 +69,8 @@ class TeacherRecord:
 
 
 class ShardWriter:
-    """Buffers records and writes ``shards/rank{rank}-{k}.safetensors`` every ``records_per_shard`` records."""
+    """Buffers records and writes ``shards/rank{rank}-{k}.safetensors`` every ``records_per_shard`` records and at
+    each :meth:`flush` (the teacher run flushes after every document, its resume point)."""
 
     def __init__(self, out_dir: str | Path, rank: int = 0, records_per_shard: int = 256, feature_dtype=torch.float16):
         self.dir = Path(out_dir) / "shards"

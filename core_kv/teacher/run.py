@@ -326,15 +326,23 @@ def _run_teacher(cfg: TeacherConfig, state) -> dict:
     docs = make_docs(cfg.data, mine, tok)
     rec = Recorder(dims["layers"], dims["kv_heads"], list(cfg.ratios))
     writer = ShardWriter(out, rank, cfg.records_per_shard, getattr(torch, cfg.feature_dtype))
-    bar = tqdm(docs, desc=f"teacher[{rank}]", disable=not cfg.progress or not state.is_local_main_process)
+    progress = Progress(out, rank, {"config": hashed_config(to_dict(cfg)), "world": world, "model": fp})
+    done = 0 if cfg.overwrite else progress.restore(rec, writer)
+    if done and state.is_local_main_process:
+        print(f"teacher[{rank}]: resuming after {done} of {len(docs)} documents ({progress.json})", flush=True)
+    bar = tqdm(docs, desc=f"teacher[{rank}]", initial=done, disable=not cfg.progress or not state.is_local_main_process)
     with torch.inference_mode():
-        for doc in bar:
+        for k, doc in enumerate(docs[done:], done + 1):
             with attention_inputs(model, _layer_hook(cfg, doc, geometry, rec, writer, skip=set(window_layers(model)))):
                 t0 = time.perf_counter()
                 model.model(input_ids=torch.tensor([doc.ids], device=device), use_cache=False)
                 rec.time["_forward_total"] += time.perf_counter() - t0
             rec.tokens += len(doc.ids)
+            writer.flush()  # a shard ends with its document, so every document boundary is a resume point
+            progress.save(k, rec, writer)
+            bar.update(1)
             bar.set_postfix(tokens=rec.tokens, events=rec.events)
+    bar.close()
     shards = writer.close()
     rec.time["_wall"] = time.perf_counter() - t_start
     part = {"rank": rank, "shards": shards, "tokens": rec.tokens, "events": rec.events, "time": dict(rec.time),
@@ -346,11 +354,58 @@ def _run_teacher(cfg: TeacherConfig, state) -> dict:
     metrics = {}
     if rank == 0:
         metrics = merge(cfg, out, world, dims, fp, t_start)
+        for r in range(world):
+            Progress(out, r, {}).clear()  # the manifest (written last) marks the run finished
         print(format_report(cfg, metrics, fp["name"]))
     state.wait_for_everyone()
     if world > 1:
         state.destroy_process_group()
     return metrics
+
+
+class Progress:
+    """One process's progress through its documents, saved atomically after each document (``parts/rank{r}.progress
+    .json``, written last, names the Recorder's tensors at that point): a relaunch of the same config, model and
+    process count restores the Recorder and the shards written, and skips the finished documents. The shards it then
+    writes are the uninterrupted run's (every shard ends at a document boundary)."""
+
+    def __init__(self, out: Path, rank: int, key: dict):
+        self.dir, self.rank, self.key = out / "parts", rank, config_hash(key)
+        self.json = self.dir / f"rank{rank:03d}.progress.json"
+
+    def _tensors(self, docs: int) -> Path:
+        return self.dir / f"rank{self.rank:03d}.progress-{docs:06d}.safetensors"
+
+    def save(self, docs: int, rec: Recorder, writer: ShardWriter) -> None:
+        tensors = {k: v.contiguous() for k, v in rec.tensors().items()}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self._tensors(docs), lambda tmp: save_file(tensors, tmp))
+        atomic_write_json(self.json, {"key": self.key, "docs": docs, "shards": writer.shards, "tokens": rec.tokens,
+                                      "events": rec.events, "time": dict(rec.time)})  # fmt: skip
+        for old in self.dir.glob(f"rank{self.rank:03d}.progress-*.safetensors"):
+            if old != self._tensors(docs):
+                old.unlink()
+
+    def restore(self, rec: Recorder, writer: ShardWriter) -> int:
+        """The documents already done (0: none, or progress of another config, model or process count)."""
+        if not self.json.is_file():
+            return 0
+        saved = read_json(self.json, "teacher progress")
+        path = self._tensors(saved.get("docs", -1)) if isinstance(saved, dict) else None
+        if path is None or saved.get("key") != self.key or not path.is_file():
+            return 0
+        tensors = load_file(str(path))
+        rec.count, rec.total, rec.total_sq = tensors.pop("count"), tensors.pop("total"), tensors.pop("total_sq")
+        for k, v in tensors.items():
+            rec.samples[k.removeprefix("s.")] = [v]
+        rec.tokens, rec.events = saved["tokens"], saved["events"]
+        rec.time.update(saved["time"])
+        writer.shards = list(saved["shards"])
+        return saved["docs"]
+
+    def clear(self) -> None:
+        for f in self.dir.glob(f"rank{self.rank:03d}.progress*"):
+            f.unlink()
 
 
 # options that do not change the data: left out of the config hash and of the "same config" test
