@@ -8,6 +8,7 @@ dataclasses included, with its type and default.
 from __future__ import annotations
 
 import dataclasses
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -161,3 +162,56 @@ def test_help_names_presses_benchmarks_configs_and_examples(capsys, monkeypatch)
             for name in list(PRESSES) + list(BENCHMARKS):
                 assert f" {name}," in listed or f" {name}\n" in listed, name
             assert "press_options.core.checkpoint" in head
+
+
+def test_a_no_argument_train_runs_default_yaml_and_help_shows_those_values(capsys, monkeypatch):
+    """One source of defaults (issue 59): ``train.py`` with no arguments builds exactly the config of
+    configs/train/default.yaml (its policy section included: 4 candidates x 8 prompts of 512 tokens, not the 14-grid
+    at 2,048), and ``--help`` shows those values."""
+    from core_kv.config import load_config, to_dict
+    from core_kv.distill.config import TrainConfig
+
+    default_yaml = load_config(TrainConfig, [str(ROOT / "configs" / "train" / "default.yaml")])
+    assert to_dict(load_config(TrainConfig, [])) == to_dict(default_yaml)
+    blocks = _blocks(_run_help("train.py", "file", capsys, monkeypatch))
+    assert blocks["policy.length"].split("\n")[0].endswith("= 512")
+    assert blocks["policy.per_task"].split("\n")[0].endswith("= 2")
+    shown = blocks["policy.candidates"].split("\n")[0]
+    assert shown.endswith("= [{}, {'memory': False}, {'head_budgets': 'adaptive', 'memory': False}, {'head_budgets': "
+                          "'adaptive', 'head_pool': 'output', 'memory': False}]")  # fmt: skip
+
+
+def test_eval_help_prints_nothing_before_its_usage():
+    """``python eval.py --help`` printed a "Loading weights" bar (the default config's CORE artifact) before the
+    usage (issue 59): a fresh process writes nothing to stderr and starts its output with the usage."""
+    import os
+    import subprocess
+
+    res = subprocess.run([sys.executable, "eval.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert res.returncode == 0 and res.stderr == "", res.stderr[-2000:]
+    assert res.stdout.startswith("usage: Evaluate KV-cache compression")
+
+
+def test_eval_help_presses_lists_every_press_option_with_its_type_and_default(capsys, monkeypatch):
+    """``eval.py --help presses``: the options every press shares, then each registered press's own, read from the
+    dataclass fields of PRESSES (name, type, the declared default)."""
+    import core_kv.presses  # noqa: F401
+    from core_kv.presses.base import PRESSES, BasePress
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["eval.py", "--help", "presses"])
+    runpy.run_path(str(ROOT / "eval.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    shared = {f.name for f in dataclasses.fields(BasePress)}
+    sections = out.split("\n\n")
+    for name, cls in PRESSES.items():
+        section = next(s for s in sections if s.startswith(f"{name} ({cls.__name__})"))
+        own = [f for f in dataclasses.fields(cls) if f.init and f.name not in shared]
+        for f in own:
+            assert re.search(rf"^  {f.name}\s+\S.*=", section, re.M), (name, f.name, section)
+        assert bool(own) != section.endswith("no options of its own"), section
+    snapkv = next(s for s in sections if s.startswith("snapkv ("))
+    window = next(f for f in dataclasses.fields(PRESSES["snapkv"]) if f.name == "window_size")
+    assert re.search(rf"^  window_size\s+int\s+= {window.default}$", snapkv, re.M), snapkv
+    assert re.search(r"^  compression_ratio\s+float\s+= 0.0$", sections[1], re.M)  # every press's options

@@ -153,7 +153,7 @@ def test_bands_split_halfway_and_the_press_applies_them(tmp_path, artifact):
 
 
 def test_stage_resumes_from_its_cached_scores_and_refreshes_them_for_new_weights(monkeypatch, tmp_path, artifact,
-                                                                                   llama, tok):  # fmt: skip
+                                                                                   llama, tok, capsys):  # fmt: skip
     import shutil
 
     art = tmp_path / "final"
@@ -165,8 +165,13 @@ def test_stage_resumes_from_its_cached_scores_and_refreshes_them_for_new_weights
     first = stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
     n = len(calls)
     assert n == 4 * (1 + 2 * 2)  # 4 prompts x (full cache + 2 ratios x 2 candidates)
+    out = capsys.readouterr().out  # the stage's size up front, then the estimate from its first prompt
+    size = "[policy] 4 prompts of 160 tokens x (1 full cache + 2 ratios x 2 candidates) = 20 prefills"
+    assert f"{size}; 20 still to run" in out
+    assert re.search(r"\[policy\] [\d.]+ s per prompt: about [\d.]+ min for the 20 to run", out), out
     second = stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
     assert len(calls) == n and second.candidates == first.candidates  # everything came from the cache
+    assert "= 20 prefills; 0 still to run" in capsys.readouterr().out
     more = PolicyStageConfig(**{**SMALL, "candidates": [{}, {"memory": False}, {"repair": True}]})
     third = stage.run_policy_stage(more, art, llama, tok, tmp_path / "work", progress=False)
     assert len(calls) == n + 4 * 2  # a candidate added: only its 2 ratios x 4 prompts scored, the rest kept

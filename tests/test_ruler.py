@@ -132,6 +132,17 @@ def test_load_ruler_validates_before_generating(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_the_sample_cache_lives_under_core_kv_home(tmp_path, monkeypatch):
+    """One cache variable for the project (issue 59): RULER's samples go to ``$CORE_KV_HOME/ruler`` beside the
+    converted models; the undocumented ``CORE_KV_CACHE`` it read before is ignored."""
+    monkeypatch.setenv("CORE_KV_CACHE", str(tmp_path / "old"))
+    monkeypatch.setenv("CORE_KV_HOME", str(tmp_path / "home"))
+    assert ruler.default_cache_dir() == tmp_path / "home" / "ruler"
+    generate_cached("vt", 1024, 1, regex_count)
+    assert len(list((tmp_path / "home" / "ruler").glob("vt_L1024_seed42_*.jsonl"))) == 1
+    assert not (tmp_path / "old").exists()
+
+
 def test_cache_round_trip(tmp_path, monkeypatch):
     fresh = generate_cached("vt", 1024, 3, regex_count, cache_dir=tmp_path)
     files = list(tmp_path.glob("vt_L1024_seed42_*.jsonl"))

@@ -298,6 +298,22 @@ def test_report_flags_a_full_cache_reference_below_the_floor():
     assert reference_warnings(cells, 0.0) == {}
 
 
+def test_a_table_of_few_contexts_says_it_cannot_rank_methods():
+    """The default suite's NIAH has 6 contexts per cell (issue 59): its table says one context moves a score by 17
+    points; a table of 48 contexts carries no caveat."""
+    from core_kv.eval.report import markdown_report
+
+    def cell(method, ratio, n):
+        return {"benchmark": "niah", "method": method, "ratio": ratio, "average": 50.0, "tasks": {"niah": 50.0},
+                "kv_bytes": 1.0, "aux_bytes": 0, "context_tokens": 10.0, "num_samples": n, "num_contexts": n,
+                "average_label": "mean", "higher_is_better": True, "kind": "jsonl"}  # fmt: skip
+
+    few = markdown_report([cell("full", 0.0, 6), cell("knorm", 0.75, 6)], "m")
+    assert ("6 samples over 6 contexts per cell. ⚠ Too few to rank methods: one context moves a score by 17 points and "
+            "a 95% interval around 50% spans ±40") in few  # fmt: skip
+    assert "Too few" not in markdown_report([cell("full", 0.0, 48), cell("knorm", 0.75, 48)], "m")
+
+
 def test_tied_points_are_drawn_side_by_side_and_others_stay_put():
     """Markers at equal values hid each other (issue 47): ties get distinct offsets, centred, at most ``spread`` wide."""
     from core_kv.eval.report import MARKERS, dodge

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core_kv.models.loading import PROXY_PATH
+
 SYMBOLS = [
     ("held-out", "documents no teacher run and no training step saw (indices 2,000,000+)"),
     ("p*, s", "p* = the teacher's allocation over the cached tokens; s = the student's (indexer's) scores"),
@@ -45,16 +47,24 @@ def symbols_legend(markdown: bool = False) -> str:
 
 
 def next_steps(model: str, artifact: str, out_dir: str) -> str:
-    """Where the artifact and the report went and the two commands that load and evaluate it."""
+    """Where the artifact and the report went and the two commands that load and evaluate it. The load command
+    answers a needle question with the full cache and with CORE at 75% removal, side by side, so a reader sees
+    whether CORE kept what the model needs; for the proxy LM (which answers it with neither) the line says so."""
     name = Path(out_dir).name
     load = (
         '.venv/bin/python -c "from core_kv.models.loading import load_model; from core_kv.presses import build_press; '
         f"from core_kv.pipeline import answer_questions; model, tok = load_model('{model}'); "
         f"press = build_press('core', checkpoint='{artifact}', compression_ratio=0.75); "
         "ctx = 'The grass is green. ' * 150 + 'The secret code is 4242. ' + 'The sky is blue. ' * 150; "
-        "out = answer_questions(model, tok, ctx, ['What is the secret code?'], press=press, max_new_tokens=16); "
-        "print(out['answers'], 'KV bytes kept:', out['kv_bytes']['total'], 'CORE memory bytes:', out['aux_bytes'])\""
+        "q = ['What is the secret code?']; full = answer_questions(model, tok, ctx, q, max_new_tokens=16); "
+        "out = answer_questions(model, tok, ctx, q, press=press, max_new_tokens=16); "
+        "print('full cache:', full['answers'], '| CORE at 75%:', out['answers'], '| KV bytes kept:', "
+        "out['kv_bytes']['total'], 'of', full['kv_bytes']['total'], '| CORE memory bytes:', out['aux_bytes'])\""
     )
+    check = "compress a context with CORE and answer, beside the full cache's answer (4242 is right)"
+    if Path(model).name == PROXY_PATH.name:
+        check = ("the proxy LM answers this needle with neither cache, so this only shows that the pipeline runs; "
+                 "an answer you can read: docs/train-your-model.md")  # fmt: skip
     evaluate = (
         f'make eval ARGS="model.name={model} methods=[core,keydiff,snapkv,streaming_llm] '
         f'press_options.core.checkpoint={artifact} benchmarks=[ruler] output_dir=results/{name}"'
@@ -62,7 +72,7 @@ def next_steps(model: str, artifact: str, out_dir: str) -> str:
     return "\n".join([
         f"artifact: {artifact}   report: {Path(out_dir) / 'report.md'}",
         "next:",
-        f"  load it (compress a context with CORE and answer):\n    {load}",
+        f"  load it ({check}):\n    {load}",
         f"  evaluate it against the presses (RULER 1k, 75% removal; docs/evaluation.md):\n    {evaluate}",
     ])  # fmt: skip
 

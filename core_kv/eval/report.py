@@ -88,6 +88,19 @@ def _lookup(cells: list[dict], method: str, ratio: float) -> dict | None:
     return None
 
 
+FEW_CONTEXTS = 30  # below this many contexts per cell a table says it cannot rank methods
+
+
+def small_n_caveat(contexts: int) -> str:
+    """The caveat printed beside a table of fewer than :data:`FEW_CONTEXTS` contexts per cell ("" above): one
+    context moves a score by 100/n points, and the 95% interval of a 50% score spans ±98/√n."""
+    if not contexts or contexts >= FEW_CONTEXTS:
+        return ""
+    return (f" ⚠ Too few to rank methods: one context moves a score by {100 / contexts:.0f} points and a 95% "
+            f"interval around 50% spans ±{98 / math.sqrt(contexts):.0f}; a ranking needs more contexts (e.g. "
+            f"configs/eval/smollm2_ruler.yaml).")  # fmt: skip
+
+
 def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
     """The run's tables, one section per benchmark.
 
@@ -147,7 +160,8 @@ def markdown_report(cells: list[dict], model_label: str, cfg=None) -> str:
             ]
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
-        lines.append(f"{first['num_samples']} samples over {first['num_contexts']} contexts per cell.")
+        lines.append(f"{first['num_samples']} samples over {first['num_contexts']} contexts per cell."
+                     + small_n_caveat(first["num_contexts"]))  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 
