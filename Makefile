@@ -46,11 +46,14 @@ test-research: $(STAMP)
 eval: $(STAMP)
 	$(BIN)/python eval.py $(ARGS)
 
+# CORE on the proxy LM: configs/train/default.yaml (the TrainConfig defaults), the proxy recipe, MT min on 2 cores
+# (teacher data, distillation and policy stage; docs/measured.json); ARGS="--config <yaml> a.b=v" for another recipe
 train: $(STAMP)
 	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU:-1} $(BIN)/accelerate launch --num_processes 1 --num_machines 1 \
 	  --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 2 train.py $(ARGS)
 
-# CORE for SmolLM2-135M (teacher + distillation; resumable: rerun the same command after an interruption)
+# CORE for SmolLM2-135M (teacher + distillation + policy stage, 304 prefills of 2k tokens: 20-50 min of the run;
+# resumable: rerun the same command after an interruption)
 train-smollm2: $(STAMP)
 	ACCELERATE_USE_CPU=$${ACCELERATE_USE_CPU:-1} $(BIN)/accelerate launch --num_processes 1 --num_machines 1 \
 	  --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process 1 train.py --config configs/train/smollm2.yaml $(ARGS)

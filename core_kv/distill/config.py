@@ -1,8 +1,8 @@
 """Typed training configuration; YAML files in ``configs/train/`` only override these defaults.
 
-The defaults are the shipped proxy recipe (``accelerate launch train.py`` with no arguments, into ``runs/core-proxy``): about 5.6 minutes on two
-CPU cores including the teacher data. Batch arithmetic: documents per optimizer step =
-``micro_batch × grad_accum × num_processes``.
+The defaults are the shipped proxy recipe, ``configs/train/default.yaml`` written out (``accelerate launch train.py``
+with no arguments, into ``runs/core-proxy``; its time on two CPU cores is in ``docs/measured.json``). Batch
+arithmetic: documents per optimizer step = ``micro_batch × grad_accum × num_processes``.
 """
 
 from __future__ import annotations
