@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # measure this checkout's core_kv, whatever the environment's editable install points at
 MEASURED = ROOT / "docs" / "measured.json"
 PY = ROOT / ".venv" / "bin" / "python"
+MAKE = ["make"]  # --make: e.g. "make -o .venv/.installed" where .venv is another checkout's
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,10 @@ def timed(command: list[str], log: Path) -> tuple[float, str]:
 
 
 def train_stages(out: Path, teacher: Path) -> dict:
-    """The stages' own clocks: the teacher's wall time, the distillation's and the policy stage's."""
-    stages = {"teacher": json.loads((teacher / "metrics.json").read_text())["throughput"]["wall_s"],
-              "distillation": json.loads((out / "summary.json").read_text())["wall_s"]}  # fmt: skip
+    """The stages' own clocks: the teacher's wall time, the distillation's (the run's ``wall_s``, which includes the
+    teacher it built, less the teacher) and the policy stage's."""
+    built = json.loads((teacher / "metrics.json").read_text())["throughput"]["wall_s"]
+    stages = {"teacher": built, "distillation": json.loads((out / "summary.json").read_text())["wall_s"] - built}
     policy = json.loads((out / "final" / "config.json").read_text()).get("inference_policy")
     if policy:
         stages["policy"] = policy["validation"]["seconds"]
@@ -104,13 +107,14 @@ def train_stages(out: Path, teacher: Path) -> dict:
 def measure_train(name: str, config: list[str], work: Path) -> dict:
     out, teacher = work / name, work / f"{name}-teacher"
     args = " ".join([*config, f"out_dir={out}", f"teacher.out_dir={teacher}"])
-    command = ["make", "train", f"ARGS={args}"]
+    command = [*MAKE, "train", f"ARGS={args}"]
     seconds, _ = timed(command, work / f"{name}.log")
-    return {"command": f'make train ARGS="{args}"', "seconds": round(seconds, 1), "stages": train_stages(out, teacher)}
+    shown = " ".join([*config, "out_dir=<fresh> teacher.out_dir=<fresh>-teacher"])
+    return {"command": f'make train ARGS="{shown}"', "seconds": round(seconds, 1), "stages": train_stages(out, teacher)}
 
 
 def measure_make_test(work: Path) -> dict:
-    seconds, text = timed(["make", "test"], work / "make_test.log")
+    seconds, text = timed([*MAKE, "test"], work / "make_test.log")
     m = re.search(r"(\d+) passed.* in ([\d.]+)s", text)
     if m is None:
         raise SystemExit(f"make test printed no pytest summary; its output: {work / 'make_test.log'}")
@@ -189,7 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("measurements", nargs="*", metavar="MEASUREMENT",
                         help=f"what to measure again: {', '.join(MEASUREMENTS)}")  # fmt: skip
     parser.add_argument("--check", action="store_true", help="compare the docs' numbers with docs/measured.json")
+    parser.add_argument("--make", default="make", help="the make command (a worktree sharing another checkout's "
+                        ".venv: 'make -o .venv/.installed', so make does not reinstall it)")  # fmt: skip
     args = parser.parse_args(argv)
+    MAKE[:] = args.make.split()
     unknown = [m for m in args.measurements if m not in MEASUREMENTS]
     if unknown:
         parser.error(f"unknown measurement(s) {unknown}; measurements: {', '.join(MEASUREMENTS)}")

@@ -297,3 +297,29 @@ def test_the_checker_catches_what_it_should(tmp_path):
     checker = Checker(good)
     for cmd in commands(good.code):
         checker.check(cmd)
+
+
+def _measure_docs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("measure_docs", ROOT / "scripts" / "measure_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["measure_docs"] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_quoted_time_and_count_is_the_measured_one():
+    """The times and counts the README, the guides, train.py --help, default.yaml and the Makefile quote are the
+    numbers of docs/measured.json, which scripts/measure_docs.py writes (issue 59: they had drifted by 2x)."""
+    import json
+
+    measure = _measure_docs()
+    measured = json.loads((ROOT / "docs" / "measured.json").read_text())
+    assert measure.check(measured) == []
+    files = {q.file for q in measure.QUOTES}
+    assert {"README.md", "train.py", "Makefile", "docs/train-your-model.md", "docs/evaluation.md"} <= files
+    slower = {**measured, "make_train": {**measured["make_train"], "seconds": measured["make_train"]["seconds"] + 60}}
+    problems = measure.check(slower)  # a re-measurement that moves a number names every quote to update
+    assert len(problems) == sum(q.key == "make_train" for q in measure.QUOTES), problems
+    assert all("docs/measured.json gives" in p for p in problems)

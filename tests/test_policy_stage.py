@@ -192,3 +192,19 @@ def test_candidate_grid_and_bad_policy_options():
                       ({"repair": "yes"}, "repair"), ({"alpha_safeguard": 2}, "alpha_safeguard"), ({"k": 1}, "k")):  # fmt: skip
         with pytest.raises(ValueError, match=what):
             PolicyStageConfig(candidates=[bad]).check()
+
+
+def test_one_loading_bar_per_model_and_none_per_candidate(artifact, capsys):
+    """``make train`` printed ~43 "Loading weights" bars (issue 59): a model's first load in a process shows
+    transformers' bar, a later load of it and every CORE artifact load (one per candidate press) show none."""
+    from core_kv.models import loading
+
+    path = str(ROOT / "checkpoints" / "proxy-lm")
+    loading._LOADED.discard(path)
+    capsys.readouterr()
+    loading.load_model(path)
+    assert "Loading weights" in capsys.readouterr().err
+    loading.load_model(path)
+    CoreModel.from_pretrained(artifact)
+    build_press("core", checkpoint=str(artifact), compression_ratio=0.5)
+    assert "Loading weights" not in capsys.readouterr().err

@@ -14,7 +14,7 @@ import importlib.util
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -219,13 +219,15 @@ def load_model(
     kwargs = {"trust_remote_code": trust_remote_code, "revision": revision}
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path,
-            dtype=resolve_dtype(dtype),
-            device_map=device_map,
-            attn_implementation=attn_implementation,
-            **kwargs,
-        )
+        with quiet_loading() if name_or_path in _LOADED else nullcontext():  # one "Loading weights" bar per model
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path,
+                dtype=resolve_dtype(dtype),
+                device_map=device_map,
+                attn_implementation=attn_implementation,
+                **kwargs,
+            )
+        _LOADED.add(name_or_path)
     except OSError as e:
         local = Path(name_or_path).exists()
         parent = Path(name_or_path).expanduser().parent
@@ -337,11 +339,15 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
                     "sentencepiece.bpe.model", "tokenizer.tiktoken")  # fmt: skip
 
 
+_LOADED: set[str] = set()  # models this process has loaded: a later load of one shows no progress bar
+
+
 @contextmanager
 def quiet_loading() -> Iterator[None]:
-    """transformers' progress bars ("Loading weights") off inside the block, as they were after it: a CORE artifact
-    is loaded once per press (the policy stage builds one per candidate and ratio), so only the base model's load
-    shows one."""
+    """transformers' progress bars ("Loading weights") off inside the block, as they were after it. A CORE artifact
+    is loaded once per press (the policy stage builds one per candidate and ratio) and ``train.py`` loads its base
+    model in the distillation, the teacher and the policy stage, so only a model's first load in a process shows
+    one."""
     from transformers.utils import logging
 
     was = logging.is_progress_bar_enabled()

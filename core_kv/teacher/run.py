@@ -326,7 +326,8 @@ def _run_teacher(cfg: TeacherConfig, state) -> dict:
     docs = make_docs(cfg.data, mine, tok)
     rec = Recorder(dims["layers"], dims["kv_heads"], list(cfg.ratios))
     writer = ShardWriter(out, rank, cfg.records_per_shard, getattr(torch, cfg.feature_dtype))
-    progress = Progress(out, rank, {"config": hashed_config(to_dict(cfg)), "world": world, "model": fp})
+    kept = {k: v for k, v in to_dict(cfg).items() if k not in ("out_dir", "progress", "threads", "overwrite")}
+    progress = Progress(out, rank, {"config": kept, "world": world, "model": fp})  # metrics options included
     done = 0 if cfg.overwrite else progress.restore(rec, writer)
     if done and state.is_local_main_process:
         print(f"teacher[{rank}]: resuming after {done} of {len(docs)} documents ({progress.json})", flush=True)
