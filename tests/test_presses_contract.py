@@ -25,9 +25,12 @@ from core_kv.models.attention import PREFIX, UnsupportedModelError, attention_mo
 from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES, BasePress, ScorerPress
+from core_kv.presses import build_press as _build_press
+from core_kv.presses.base import WrapperPress
 from core_kv.presses.twin_repair import TwinRepairPress
 from tests.helpers import (
     COMMON,
+    CORE_NAMES,
     N_CTX,
     build_press,
     can_compress,
@@ -373,3 +376,31 @@ def test_nan_inputs_raise_for_every_press(name):
     finally:
         with torch.no_grad():
             emb.weight.copy_(saved)
+
+
+WRAPPERS = sorted(n for n, cls in PRESSES.items() if issubclass(cls, WrapperPress) and n not in CORE_NAMES)
+
+
+@pytest.mark.parametrize("name", WRAPPERS)
+def test_wrapper_holds_no_copy_of_the_budget(name):
+    """A wrapper's budget, protection and decoding are the innermost press's (kvpress's ``AdaKVPress``): given to
+    the wrapper they reach the inner press, set on the wrapper they change it, and contradicting values are refused."""
+    if name in ("latent_memory", "fast_memory"):
+        pytest.skip(f"{name} wraps CORE's scorer, which needs an artifact to compress (test_core_press.py)")
+    press = build_press(name, press="knorm", compression_ratio=0.5, decoding=True)
+    inner = press.press
+    assert (inner.compression_ratio, inner.decoding) == (0.5, True) and press.compression_ratio == 0.5
+    assert "compression_ratio" not in vars(press) and "decoding" not in vars(press)  # no stored copy
+    press.compression_ratio, press.budget = 0.0, 100  # written through
+    assert (inner.compression_ratio, inner.budget, press.target(1000)) == (0.0, 100, 100)
+    wrapped = _build_press(name, press=build_press("knorm", compression_ratio=0.25))  # the instance's budget
+    assert wrapped.compression_ratio == 0.25 and wrapped.press.compression_ratio == 0.25
+    with pytest.raises(ValueError, match=r"differs from the wrapped press's \(ratio=0.25"):
+        _build_press(name, press=build_press("knorm", compression_ratio=0.25), compression_ratio=0.5)
+    with pytest.raises(ValueError, match="decoding_slack=8 differs from the wrapped press's"):
+        _build_press(name, press=build_press("knorm", decoding=True, decoding_slack=16), decoding_slack=8)
+    if "protected_sinks" in press.held():
+        lent = _build_press(name, press=build_press("knorm"), protected_sinks=4)  # the inner holds the default
+        assert lent.press.protected_sinks == 4 and lent.protected_sinks == 4
+    with pytest.raises(ValueError, match=r"given both to the wrapper and in press_options"):
+        _build_press(name, press="knorm", compression_ratio=0.5, press_options={"compression_ratio": 0.25})

@@ -41,8 +41,8 @@ class AdaKVPress(WrapperPress, ScorerPress, name="adakv"):
     cannot be attended); kvpress's safeguard is otherwise identical. The budget may also be absolute (``budget``).
 
     ``build_press("adakv", press="expected_attention", compression_ratio=0.5)`` is kvpress's leaderboard
-    ``"expected_attention"``. An inner press given with its own ``compression_ratio``/``budget`` (kvpress style,
-    ``AdaKVPress(ExpectedAttentionPress(0.5))``) lends it to the wrapper when the wrapper has none.
+    ``"expected_attention"``. The budget is the inner press's, held once (kvpress style,
+    ``AdaKVPress(ExpectedAttentionPress(0.5))``): ``press.compression_ratio`` reads and writes the inner press's.
 
     Args:
         press: the scorer, as a ``ScorerPress`` instance or a registered name (built with its defaults).

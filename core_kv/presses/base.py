@@ -399,6 +399,10 @@ class BasePress:
         return out
 
 
+HELD = ("compression_ratio", "budget", "protected_sinks", "protected_recent", "decoding", "decoding_slack")
+"""The values a stack holds once, on its innermost press: a :class:`WrapperPress` reads and writes them there."""
+
+
 @dataclass
 class WrapperPress(BasePress):
     """A press around an inner press (kvpress's ``AdaKVPress(press)`` pattern): the stack's hooks are this press's,
@@ -407,61 +411,53 @@ class WrapperPress(BasePress):
     :meth:`evicted` (call ``super().evicted(...)`` to pass the final kept set on), :meth:`readout`,
     :meth:`eviction_target`.
 
-    The budget and the decoding schedule are the inner press's: a wrapper given none takes the inner's; different
-    ones on both are refused. ``press`` may be a registered name (built with the wrapper's budget, decoding and
-    ``press_options``) or an instance.
+    The budget, the protected positions and the decoding schedule (:data:`HELD`) are held once, by the innermost
+    press: a wrapper's ``compression_ratio`` etc. are properties that read and write the inner press's (kvpress's
+    ``AdaKVPress.compression_ratio``). A value given to the wrapper (``None`` = not given) is handed to the inner
+    press: to its constructor when ``press`` is a registered name (with ``press_options``), written into an instance
+    that holds its default, and refused when the instance holds another. A wrapper that keeps a value of its own
+    (TwinRepair's donor protection) declares it as a field again.
 
     Args:
         press: The inner press, an instance or a registered name.
         press_options: Options of a press given by name.
     """
 
+    compression_ratio: float | None = None
+    protected_sinks: int | None = None
+    protected_recent: int | None = None
+    decoding: bool | None = None
+    decoding_slack: int | None = None
     press: BasePress | str = "knorm"
     press_options: dict = field(default_factory=dict)
 
+    def held(self) -> tuple[str, ...]:
+        """The :data:`HELD` values this wrapper delegates (those it does not redeclare as its own fields)."""
+        return tuple(n for n in HELD if isinstance(getattr(type(self), n, None), property))
+
     def validate(self) -> None:
+        given = {k: v for k, v in (self.__dict__.get("_given") or {}).items() if v is not None and k in self.held()}
         if isinstance(self.press, str):
             if self.press == self.name:
                 raise ValueError(f"{self.name} cannot wrap itself")
             if not isinstance(self.press_options, dict):
                 raise ValueError(f"{self.name}: press_options must be a mapping, got {self.press_options!r}")
-            self.press = build_press(
-                self.press, compression_ratio=self.compression_ratio, budget=self.budget, decoding=self.decoding,
-                **self.press_options,
-            )  # fmt: skip
+            both = {k for k in set(given) & set(self.press_options) if given[k] != self.press_options[k]}
+            if both:
+                raise ValueError(f"{self.name}: {sorted(both)} given both to the wrapper and in press_options "
+                                 "(differently); set them once")  # fmt: skip
+            self.press = build_press(self.press, **{**given, **self.press_options})
         elif isinstance(self.press, BasePress):
             if self.press_options:
                 raise ValueError(f"{self.name}: press_options only apply to a press given by name")
-            inner = self.press
-            if type(inner) is type(self):
+            if type(self.press) is type(self):
                 raise ValueError(f"{self.name} cannot wrap itself (another {self.name})")
-            if inner.decoding and not self.decoding:  # the wrapper's hooks decide when to evict
-                self.decoding, self.decoding_slack = inner.decoding, inner.decoding_slack
-            elif self.decoding and not inner.decoding:  # the inner press's bookkeeping must know it too
-                inner.decoding, inner.decoding_slack = self.decoding, self.decoding_slack
-            if self.is_noop:
-                self.compression_ratio, self.budget = inner.compression_ratio, inner.budget
-            elif inner.is_noop:  # kvpress style: the budget is on the wrapper; the stack's budget arithmetic is
-                press = inner  # the inner presses', so every press of the stack below gets it
-                while press is not None and press.is_noop:
-                    press.compression_ratio, press.budget = self.compression_ratio, self.budget
-                    press = press.press if isinstance(press, WrapperPress) else None
-            elif (inner.compression_ratio, inner.budget) != (self.compression_ratio, self.budget):
-                raise ValueError(
-                    f"{self.name} budget (ratio={self.compression_ratio}, budget={self.budget}) differs from the "
-                    f"wrapped press's (ratio={inner.compression_ratio}, budget={inner.budget}); set one of them"
-                )
+            _hand_down(self.name, self.press, given)
         else:
             raise ValueError(
                 f"{self.name}: press must be a registered name or a press, got {type(self.press).__name__}"
             )
-        mine = (self.protected_sinks, self.protected_recent)
-        if type(self).protected is WrapperPress.protected and mine != (0, 0):  # protection given on the wrapper:
-            press = self.press  # it is the inner scorer's, as the budget (kvpress style)
-            while isinstance(press, BasePress):
-                if (press.protected_sinks, press.protected_recent) == (0, 0):
-                    press.protected_sinks, press.protected_recent = mine
-                press = press.press if isinstance(press, WrapperPress) else None
+        self.__dict__["_given"] = None  # from now on the held values are the inner press's
         super().validate()
 
     def inner(self, cls: type[BasePress]) -> BasePress | None:
@@ -527,6 +523,61 @@ class WrapperPress(BasePress):
     def chunked_prefill(self):
         with super().chunked_prefill(), self.press.chunked_prefill():
             yield
+
+
+def _held_property(name: str) -> property:
+    def get(self):
+        given = self.__dict__.get("_given", {})
+        if given is not None:  # being built: the value given to this wrapper (None = not given)
+            return given.get(name)
+        return getattr(self.press, name)
+
+    def put(self, value):
+        given = self.__dict__.get("_given", {})
+        if given is not None:
+            self.__dict__["_given"] = {**given, name: value}
+        elif value is None and name != "budget":
+            raise ValueError(f"{self.name}: {name} cannot be unset (it is the wrapped press's)")
+        else:
+            setattr(self.press, name, value)
+
+    return property(get, put, doc=f"The wrapped press's ``{name}`` (held once, by the innermost press).")
+
+
+for _name in HELD:
+    setattr(WrapperPress, _name, _held_property(_name))
+
+
+def _holds_default(press: BasePress, name: str) -> bool:
+    """Whether the press that holds ``name`` for ``press`` (the innermost, through delegating wrappers) holds the
+    default of its option."""
+    while isinstance(press, WrapperPress) and name in press.held():
+        press = press.press
+    default = {f.name: f.default for f in fields(press)}[name]
+    return getattr(press, name) == default
+
+
+def _hand_down(where: str, inner: BasePress, given: dict) -> None:
+    """Write the values ``given`` to a wrapper into the wrapped press ``inner``, which holds them; refuse a value that
+    contradicts one ``inner`` was given. A no-op budget and ``decoding=False`` count as not given."""
+    ratio, budget = given.get("compression_ratio", 0.0), given.get("budget")
+    if ratio or budget is not None:
+        if inner.is_noop:
+            inner.compression_ratio, inner.budget = ratio, budget
+        elif (inner.compression_ratio, inner.budget) != (ratio, budget):
+            raise ValueError(
+                f"{where} budget (ratio={ratio}, budget={budget}) differs from the wrapped press's "
+                f"(ratio={inner.compression_ratio}, budget={inner.budget}); set one of them"
+            )
+    for name in ("decoding", "decoding_slack", "protected_sinks", "protected_recent"):
+        value = given.get(name)
+        if value is None or value is False or value == getattr(inner, name):
+            continue
+        if not _holds_default(inner, name):
+            raise ValueError(f"{where}: {name}={value!r} differs from the wrapped press's ({getattr(inner, name)!r}); "
+                             "set it on one of them")  # fmt: skip
+        setattr(inner, name, value)
+
 
 
 @dataclass

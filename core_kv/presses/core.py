@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from core_kv.policy import PAPER, PolicyOptions
 from core_kv.presses.adakv import AdaKVPress
-from core_kv.presses.base import BasePress, WrapperPress
+from core_kv.presses.base import HELD, BasePress, WrapperPress
 from core_kv.presses.core_scorer import CoreScorerPress
 from core_kv.presses.head_shared import HeadSharedPress
 from core_kv.presses.latent_memory import LatentMemoryPress
@@ -71,8 +71,6 @@ class CorePress(WrapperPress, name="core"):
     head_pool: str | None = None
     repair: bool | None = None
     memory: bool | str | None = None
-    protected_sinks: int | None = None
-    protected_recent: int | None = None
     calibrated: bool = True
     allocation: str = "indexer"
     write_rule: str | None = None
@@ -87,15 +85,12 @@ class CorePress(WrapperPress, name="core"):
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"{self.name}: policy must be one of {POLICIES}, got {self.policy!r}")
-        scorer = CoreScorerPress(
-            compression_ratio=self.compression_ratio, budget=self.budget, decoding=self.decoding,
-            decoding_slack=self.decoding_slack, checkpoint=self.checkpoint, protected_sinks=self.protected_sinks,
-            protected_recent=self.protected_recent, calibrated=self.calibrated, allocation=self.allocation,
-        )  # fmt: skip
-        self.protected_sinks, self.protected_recent = scorer.protected_sinks, scorer.protected_recent
+        held = {n: getattr(self, n) for n in HELD if getattr(self, n) is not None}  # given here, held by the scorer
+        scorer = CoreScorerPress(checkpoint=self.checkpoint, calibrated=self.calibrated, allocation=self.allocation,
+                                 **held)  # fmt: skip
         base = PAPER
         if self.policy == "artifact" and scorer._core is not None:
-            base = scorer.core.policy().for_ratio(self.compression_ratio if self.budget is None else None)
+            base = scorer.core.policy().for_ratio(scorer.compression_ratio if scorer.budget is None else None)
         given = {k: getattr(self, k) for k in OVERRIDES if getattr(self, k) is not None}
         if given.get("head_budgets") in ("uniform", "shared") and "head_pool" not in given:
             given["head_pool"] = "score"  # uniform and shared budgets pool nothing across heads

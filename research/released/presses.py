@@ -39,7 +39,7 @@ from core_kv.config import parse_layers
 from core_kv.models.attention import apply_rope, attention_modules, prerope_queries_from_projection
 from core_kv.models.cache import layer_lengths
 from core_kv.policy import PAPER, PolicyOptions
-from core_kv.presses.base import BasePress, Kept, ScorerPress, WrapperPress
+from core_kv.presses.base import HELD, BasePress, Kept, ScorerPress, WrapperPress
 from research.released.memory import FastState
 from research.released.model import ReleasedModel
 
@@ -437,14 +437,13 @@ class ReleasedCorePress(WrapperPress, name="core_released"):
         checkpoint: Folder of a :class:`~research.released.model.ReleasedModel` artifact.
         policy: ``artifact`` (the recorded policy's band for ``compression_ratio``) or ``paper`` (memory everywhere).
         memory: Override the policy's memory: ``True``, ``False`` or a layer list (``"0-5,8"``); ``None``: the policy's.
-        protected_sinks, protected_recent, calibrated: The scorer's (:class:`ReleasedScorerPress`).
+        protected_sinks, protected_recent, calibrated: The scorer's (:class:`ReleasedScorerPress`), which holds them
+            and the budget (a wrapper holds none: :class:`~core_kv.presses.base.WrapperPress`).
     """
 
     checkpoint: str | None = None
     policy: str = "artifact"
     memory: bool | str | None = None
-    protected_sinks: int | None = None
-    protected_recent: int | None = None
     calibrated: bool = True
     press: BasePress | None = field(default=None, init=False)
 
@@ -453,15 +452,11 @@ class ReleasedCorePress(WrapperPress, name="core_released"):
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"{self.name}: policy must be one of {POLICIES}, got {self.policy!r}")
-        scorer = ReleasedScorerPress(
-            compression_ratio=self.compression_ratio, budget=self.budget, decoding=self.decoding,
-            decoding_slack=self.decoding_slack, checkpoint=self.checkpoint, protected_sinks=self.protected_sinks,
-            protected_recent=self.protected_recent, calibrated=self.calibrated,
-        )  # fmt: skip
-        self.protected_sinks, self.protected_recent = scorer.protected_sinks, scorer.protected_recent
+        held = {n: getattr(self, n) for n in HELD if getattr(self, n) is not None}  # given here, held by the scorer
+        scorer = ReleasedScorerPress(checkpoint=self.checkpoint, calibrated=self.calibrated, **held)
         base = PAPER
         if self.policy == "artifact" and scorer._core is not None:
-            base = scorer.core.policy().for_ratio(self.compression_ratio if self.budget is None else None)
+            base = scorer.core.policy().for_ratio(scorer.compression_ratio if scorer.budget is None else None)
         given = {} if self.memory is None else {"memory": self.memory}
         try:
             self.options = PolicyOptions.from_dict({**base.to_dict(), **given}, self.name)
