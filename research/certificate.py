@@ -6,7 +6,7 @@ shadow copy of every evicted K/V (not counted in ``aux_bytes``) and, at every re
 the certificate terms, the true retention error and the compensated error (:attr:`CertifiedMemoryPress.certificates`;
 paper Tables 6, 8); ``write_noise`` perturbs each event's write weights (paper Table 8's ``G^(δ)``).
 ``build_press("core_certified", checkpoint=..., ...)`` (registered when this module is imported) is the ``core``
-press with this memory. Used by ``research/core_audit.py`` and ``research/answer_likelihood.py``.
+press whose stack has this memory outermost instead of the latent memory. Used by ``research/core_audit.py`` and ``research/answer_likelihood.py``.
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ class CertifiedMemoryPress(LatentMemoryPress, name="latent_memory_certified"):
 
 @dataclass(repr=False)
 class CertifiedCorePress(CorePress, name="core_certified"):
-    """The ``core`` press whose memory logs the certificate (:class:`CertifiedMemoryPress`); refused without memory.
+    """The ``core`` press whose memory logs the certificate: the composed stack with its latent memory rebuilt as a
+    :class:`CertifiedMemoryPress` of the same options around the same pieces; refused without memory.
 
     Args:
         certificate_delta, write_noise: The memory's (:class:`CertifiedMemoryPress`).
@@ -162,16 +163,20 @@ class CertifiedCorePress(CorePress, name="core_certified"):
 
     certificate_delta: float = 0.05
     write_noise: float = 0.0
-    memory_class = CertifiedMemoryPress
 
     def validate(self) -> None:
         super().validate()
-        if self.memory_press is None:
+        m = self.memory_press
+        if self.options.memory_layers is None or not isinstance(m, LatentMemoryPress | None):
             raise ValueError(
                 f"{self.name} audits the memory, but this composition ({self.options.describe()}) has none"
             )
-        self.memory_press.certificate_delta, self.memory_press.write_noise = self.certificate_delta, self.write_noise
-        self.memory_press.validate()
+        if m is None:  # the no-op press: nothing is evicted, nothing to audit
+            return
+        self.press = self.memory_press = CertifiedMemoryPress(
+            press=m.press, memory=m.memory, write_rule=m.write_rule, layers=m.layers, budget_matched=m.budget_matched,
+            memory_dtype=m.memory_dtype, certificate_delta=self.certificate_delta, write_noise=self.write_noise,
+        )  # fmt: skip
 
     @property
     def certificates(self) -> list:

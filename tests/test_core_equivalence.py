@@ -71,13 +71,14 @@ class ReferenceMemory(LatentMemoryPress):
             core_kv.presses.latent_memory.write_fused = fused
 
     def compensate(self, layer, mem, q_pre, o_r, lse):
-        return self.scorer.core.memory.compensate(mem, layer, q_pre, o_r, lse)
+        return self.memory.compensate(mem, layer, q_pre, o_r, lse)
 
 
 def stacks(path, **options):
     """The shipped composition (the paper's press: memory around the scorer) and the reference one."""
     fast = CorePress.from_pretrained(path, policy="paper", **options)
-    ref = ReferenceMemory(press=ReferenceScorer(checkpoint=str(path), **options))
+    scorer = ReferenceScorer(checkpoint=str(path), **options)
+    ref = ReferenceMemory(press=scorer, memory=scorer.core.memory, write_rule=scorer.core.config.write_rule)
     return fast, ref
 
 

@@ -44,6 +44,32 @@ def test_artifact_round_trip_and_registry(tiny_artifact):
     assert build_press("core_keydiff", checkpoint=str(path), compression_ratio=0.5).scorer.allocation == "keydiff"
 
 
+def test_artifact_loaded_once_and_handed_to_the_pieces(tiny_artifact, monkeypatch):
+    """The ``core`` press loads its artifact once and hands it to the pieces (the scorer the artifact, the memory its
+    trained memory); the budget and the protection are held by the scorer alone."""
+    _, path = tiny_artifact
+    loads = []
+    load = CoreModel.from_pretrained.__func__
+    monkeypatch.setattr(
+        CoreModel, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(a) or load(cls, *a, **k))
+    )
+    press = press_for(path, compression_ratio=0.5, policy="paper", head_budgets="adaptive", repair=True)
+    assert len(loads) == 1
+    stack = press.press
+    assert repr(press).endswith("; LatentMemoryPress(TwinRepairPress(AdaKVPress(CoreScorerPress))))")
+    assert press.scorer is stack.press.press.press and press.scorer.core is press.core
+    assert press.memory_press is stack and stack.memory is press.core.memory
+    assert stack.write_rule == press.core.config.write_rule
+    for p in (press, stack, stack.press, stack.press.press):  # delegated, not copied
+        assert "compression_ratio" not in vars(p) and p.compression_ratio == 0.5
+    press.compression_ratio = 0.75
+    assert press.scorer.compression_ratio == 0.75
+    assert press.protected_recent == press.scorer.protected_recent == press.core.config.protected_recent
+    assert "core" not in press.scorer.config_dict() and press.scorer.config_dict()["checkpoint"] == str(path)
+    with pytest.raises(ValueError, match="latent_memory needs the artifact's trained memory"):
+        build_press("latent_memory", press=press.scorer)
+
+
 def test_refuses_artifact_for_another_model_and_missing_checkpoint(tiny_artifact, tmp_path):
     _, path = tiny_artifact
     press = press_for(path, compression_ratio=0.5)

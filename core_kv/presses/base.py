@@ -159,7 +159,12 @@ class BasePress:
 
     def aux_bytes(self) -> int:
         """Bytes of auxiliary state the method keeps beside the KV payload (e.g. CORE's memory)."""
-        return 0
+        return sum(self.aux_breakdown().values())
+
+    def aux_breakdown(self) -> dict:
+        """:meth:`aux_bytes` by part, ``{part: bytes}`` (CORE: the memory state, the scorer's bookkeeping); none by
+        default. A wrapper adds its parts to its inner press's."""
+        return {}
 
     # ------------------------------------------------------------------------------------------------------------
     # Extension points for stateful presses (CORE uses them as any press would)
@@ -390,10 +395,11 @@ class BasePress:
             self._mode = previous
 
     def config_dict(self) -> dict:
-        """The press's options, for results folders."""
+        """The press's options, for results folders (an option hidden from the repr is an object handed in, such as
+        CORE's loaded artifact, named by another option: left out)."""
         out = {"name": self.name}
         for f in fields(self):
-            if f.init:
+            if f.init and f.repr:
                 v = getattr(self, f.name)
                 out[f.name] = v.config_dict() if isinstance(v, BasePress) else v
         return out
@@ -500,8 +506,8 @@ class WrapperPress(BasePress):
     def reads_out(self) -> bool:
         return type(self).readout is not WrapperPress.readout or self.press.reads_out()
 
-    def aux_bytes(self) -> int:
-        return self.press.aux_bytes()
+    def aux_breakdown(self) -> dict:
+        return self.press.aux_breakdown()
 
     def install(self, model: nn.Module) -> list:
         return self.press.install(model)
@@ -577,7 +583,6 @@ def _hand_down(where: str, inner: BasePress, given: dict) -> None:
             raise ValueError(f"{where}: {name}={value!r} differs from the wrapped press's ({getattr(inner, name)!r}); "
                              "set it on one of them")  # fmt: skip
         setattr(inner, name, value)
-
 
 
 @dataclass

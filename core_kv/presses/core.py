@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core_kv.core_model import CoreModel
 from core_kv.policy import PAPER, PolicyOptions
 from core_kv.presses.adakv import AdaKVPress
 from core_kv.presses.base import HELD, BasePress, WrapperPress
-from core_kv.presses.core_scorer import CoreScorerPress
+from core_kv.presses.core_scorer import CoreScorerPress, artifact_at
 from core_kv.presses.head_shared import HeadSharedPress
 from core_kv.presses.latent_memory import LatentMemoryPress
 from core_kv.presses.twin_repair import TwinRepairPress
@@ -44,9 +45,13 @@ OVERRIDES = ("head_budgets", "head_pool", "repair", "memory")
 class CorePress(WrapperPress, name="core"):
     """CORE from a trained artifact, composed as the artifact's inference policy says for the compression ratio.
 
-    ``build_press("core", checkpoint="checkpoints/core-smollm2/final", compression_ratio=0.75)``. Without a
-    checkpoint only the no-op (ratio 0) is allowed; the artifact is checked against the model when the press is
-    entered (refuses another base model).
+    ``build_press("core", checkpoint="checkpoints/core-smollm2/final", compression_ratio=0.75)``. The press is the
+    factory of its stack: it loads the artifact once, chooses the composition (the policy's band, the overrides) and
+    builds the pieces, handing each what it needs (:func:`compose`: the scorer the artifact, the memory
+    ``core.memory``); it then runs the stack (``press``). The ratio, budget, protected positions and ``decoding``
+    are the scorer's (a :class:`~core_kv.presses.base.WrapperPress` holds none). Without a checkpoint only the no-op
+    (ratio 0) is allowed; the artifact is checked against the model when the press is entered (refuses another base
+    model).
 
     Args:
         checkpoint: Folder of a :class:`~core_kv.core_model.CoreModel` artifact (``config.json`` + ``model.safetensors``).
@@ -55,14 +60,16 @@ class CorePress(WrapperPress, name="core"):
         head_budgets, head_pool, repair, memory: Override the policy (``None`` = the policy's): see
             :class:`~core_kv.policy.PolicyOptions`.
         protected_sinks, protected_recent, calibrated, allocation: The scorer's
-            (:class:`~core_kv.presses.core_scorer.CoreScorerPress`).
+            (:class:`~core_kv.presses.core_scorer.CoreScorerPress`; ``None`` protection = the artifact's).
         write_rule, budget_matched, memory_dtype: The memory's
-            (:class:`~core_kv.presses.latent_memory.LatentMemoryPress`), when the composition has one.
+            (:class:`~core_kv.presses.latent_memory.LatentMemoryPress`), when the composition has one
+            (``write_rule=None``: the artifact's).
 
     Attributes:
         options: The composition applied (the policy's band with the overrides).
+        core: The artifact, loaded once (``None`` without a checkpoint).
         scorer: The CORE scorer at the bottom of the stack (its ``events`` log the last context's eviction events).
-        memory: The latent memory at the top of the stack, or ``None``.
+        memory_press: The memory at the top of the stack, or ``None``.
     """
 
     checkpoint: str | None = None
@@ -80,48 +87,39 @@ class CorePress(WrapperPress, name="core"):
     press_options: dict = field(default_factory=dict, init=False)
 
     options: PolicyOptions = field(default=PAPER, init=False, compare=False)
-    memory_class = LatentMemoryPress  # the memory's class (a diagnostic subclass may log more)
+    core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
+    scorer: CoreScorerPress | None = field(default=None, init=False, repr=False, compare=False)
+    memory_press: LatentMemoryPress | None = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"{self.name}: policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.core is None and self.checkpoint is not None:
+            self.core = artifact_at(self.checkpoint, self.name)  # the one load of the stack
+        core = self.core
         held = {n: getattr(self, n) for n in HELD if getattr(self, n) is not None}  # given here, held by the scorer
-        scorer = CoreScorerPress(checkpoint=self.checkpoint, calibrated=self.calibrated, allocation=self.allocation,
-                                 **held)  # fmt: skip
+        self.scorer = CoreScorerPress(core=core, checkpoint=self.checkpoint, calibrated=self.calibrated,
+                                      allocation=self.allocation, **held)  # fmt: skip
         base = PAPER
-        if self.policy == "artifact" and scorer._core is not None:
-            base = scorer.core.policy().for_ratio(scorer.compression_ratio if scorer.budget is None else None)
-        given = {k: getattr(self, k) for k in OVERRIDES if getattr(self, k) is not None}
+        if self.policy == "artifact" and core is not None:
+            ratio = self.scorer.compression_ratio if self.scorer.budget is None else None
+            base = core.policy().for_ratio(ratio)
+        given = self.overrides()
         if given.get("head_budgets") in ("uniform", "shared") and "head_pool" not in given:
             given["head_pool"] = "score"  # uniform and shared budgets pool nothing across heads
         try:
             self.options = PolicyOptions.from_dict({**base.to_dict(), **given}, f"{self.name}")
         except ValueError as e:
             raise ValueError(f"{e} (policy {base.describe()!r} with overrides {given})") from None
-        if scorer._core is not None:  # a memory layer list names layers of the artifact's base model
-            self.options.check_layers(scorer._core.config.num_layers, f"{self.name}: {self.checkpoint}")
-        if self.options.memory is False and (self.write_rule, self.budget_matched, self.memory_dtype) != (
-            None,
-            False,
-            None,
-        ):
+        if core is not None:  # a memory layer list names layers of the artifact's base model
+            self.options.check_layers(core.config.num_layers, f"{self.name}: {self.checkpoint}")
+        memory_options = (self.write_rule, self.budget_matched, self.memory_dtype)
+        if self.options.memory is False and memory_options != (None, False, None):
             raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype apply to the memory, which "
                              f"this composition ({self.options.describe()}) does not run")  # fmt: skip
-        self.press = compose(scorer, self.options, self.write_rule, self.budget_matched, self.memory_dtype,
-                             self.memory_class)  # fmt: skip
+        self.press = compose(self.scorer, self.options, *memory_options)
+        self.memory_press = self.press if isinstance(self.press, LatentMemoryPress) else None
         super().validate()
-
-    @property
-    def scorer(self) -> CoreScorerPress:
-        return self.inner(CoreScorerPress)
-
-    @property
-    def memory_press(self) -> LatentMemoryPress | None:
-        return self.inner(LatentMemoryPress)
-
-    @property
-    def core(self):
-        return self.scorer.core
 
     @property
     def events(self) -> list:
@@ -132,8 +130,7 @@ class CorePress(WrapperPress, name="core"):
         return None if m is None else m.memory_state(layer)
 
     def aux_breakdown(self) -> dict:
-        m = self.memory_press
-        return m.aux_breakdown() if m is not None else {"memory_state": 0, **self.scorer.aux_breakdown()}
+        return {"memory_state": 0, **self.press.aux_breakdown()}
 
     def overrides(self) -> dict:
         """The options given explicitly over the policy."""
@@ -150,7 +147,7 @@ class CorePress(WrapperPress, name="core"):
         return (
             f"CorePress(checkpoint={self.checkpoint!r}, {ratio}, policy={self.policy!r}: {self.options.describe()}"
             + (f", overrides={over}" if over else "")
-            + ")"
+            + f"; {stack_shape(self.press)})"
         )
 
     @classmethod
@@ -159,16 +156,22 @@ class CorePress(WrapperPress, name="core"):
         return cls(checkpoint=str(path), **options)
 
 
+def stack_shape(press: BasePress) -> str:
+    """The classes of a stack, outermost first: ``LatentMemoryPress(TwinRepairPress(CoreScorerPress))``."""
+    inner = press.press if isinstance(press, WrapperPress) else None
+    return type(press).__name__ + ("" if inner is None else f"({stack_shape(inner)})")
+
+
 def compose(
     scorer: CoreScorerPress,
     options: PolicyOptions,
     write_rule: str | None = None,
     budget_matched: bool = False,
     memory_dtype: str | None = None,
-    memory_class: type[LatentMemoryPress] = LatentMemoryPress,
 ) -> BasePress:
-    """The stack for ``options`` around ``scorer``: AdaKV (or the head-shared selection), then the repair pass, then
-    the memory (outermost)."""
+    """The stack for ``options`` around ``scorer`` (which holds the artifact, the budget and the protected
+    positions): AdaKV (or the head-shared selection), then the repair pass, then the memory (outermost), handed the
+    artifact's memory and (``write_rule=None``) its write rule."""
     press: BasePress = scorer
     if options.head_budgets == "shared":
         press = HeadSharedPress(press=press)
@@ -183,8 +186,10 @@ def compose(
         press = TwinRepairPress(press=press, protected_sinks=scorer.protected_sinks,
                                 protected_recent=scorer.protected_recent, threshold=options.repair_threshold)  # fmt: skip
     if options.memory_layers is not None and not scorer.is_noop:
-        press = memory_class(press=press, write_rule=write_rule, layers=options.memory_layers,
-                                  budget_matched=budget_matched, memory_dtype=memory_dtype)  # fmt: skip
+        core = scorer.core
+        press = LatentMemoryPress(press=press, memory=core.memory, write_rule=write_rule or core.config.write_rule,
+                                  layers=options.memory_layers, budget_matched=budget_matched,
+                                  memory_dtype=memory_dtype)  # fmt: skip
     return press
 
 

@@ -154,12 +154,15 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
     """CORE's retention channel (paper 002; CORE.md "Inference"): Top-B of the indexer's scores, with the calibrated
     distribution ``p = softmax(s / T_l)`` kept for the memory and for head-wise pooling.
 
-    Build from a trained artifact: ``build_press("core_scorer", checkpoint=..., compression_ratio=0.75)``. Without a
-    checkpoint only the no-op (ratio 0) is allowed; the artifact is checked against the model when the press is
-    entered (refuses another base model). Most users want ``core`` (the artifact's policy, composed).
+    Build from a trained artifact: ``build_press("core_scorer", checkpoint=..., compression_ratio=0.75)`` loads it;
+    the ``core`` press loads it once and hands it in (``CoreScorerPress(core=..., checkpoint=...)``). Without an
+    artifact only the no-op (ratio 0) is allowed; the artifact is checked against the model when the press is entered
+    (refuses another base model). Most users want ``core`` (the artifact's policy, composed).
 
     Args:
-        checkpoint: Folder of a :class:`~core_kv.core_model.CoreModel` artifact (``config.json`` + ``model.safetensors``).
+        checkpoint: Folder of a :class:`~core_kv.core_model.CoreModel` artifact (``config.json`` + ``model.safetensors``),
+            loaded unless ``core`` is given (then it names where ``core`` came from, for results folders).
+        core: The artifact, already loaded (not an option of a results folder: ``checkpoint`` names it).
         protected_sinks: First positions always kept; ``None`` = the artifact's (what it was trained with; CORE.md: 4).
         protected_recent: Last positions always kept; ``None`` = the artifact's (32 for the shipped artifacts).
             An explicit value that differs from the artifact's is used, with a warning.
@@ -179,8 +182,8 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
     protected_recent: int | None = None
     calibrated: bool = True
     allocation: str = "indexer"
+    core: CoreModel | None = field(default=None, repr=False, compare=False)
 
-    _core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     _layers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _checked: set = field(default_factory=set, init=False, repr=False, compare=False)
     _inner: ScorerPress | None = field(default=None, init=False, repr=False, compare=False)
@@ -192,7 +195,7 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         super().validate()
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
-        if self.checkpoint is None and not self.is_noop:
+        if self.core is None and not self.is_noop:
             raise ValueError(
                 f"{self.name} needs a trained artifact: pass checkpoint=<folder> (e.g. checkpoints/core-proxy/final)"
             )
@@ -203,33 +206,20 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
             self._inner = ExpectedAttentionPress() if self.allocation == "expected_attention" else KeyDiffPress()
 
     def _trained_settings(self) -> None:
-        """Load the artifact; the protected positions it was trained with apply unless given (then warn if they
-        differ). Without a checkpoint (the no-op press) the CORE.md defaults 4 / 32 fill in."""
-        if self.checkpoint is not None and self._core is None:
-            path = Path(self.checkpoint)
-            if not (path / "config.json").is_file():
-                raise ValueError(f"{self.name}: no CORE artifact at {path} (expected config.json + model.safetensors)")
-            self._core = CoreModel.from_pretrained(path)  # refuses invalid stored settings and tensors
+        """Load the artifact unless handed in; the protected positions it was trained with apply unless given (then
+        warn if they differ). Without an artifact (the no-op press) the CORE.md defaults 4 / 32 fill in."""
+        if self.checkpoint is not None and self.core is None:
+            self.core = artifact_at(self.checkpoint, self.name)
         for name, default in (("protected_sinks", 4), ("protected_recent", 32)):
-            trained = default if self._core is None else getattr(self._core.config, name)
+            trained = default if self.core is None else getattr(self.core.config, name)
             if getattr(self, name) is None:
                 setattr(self, name, trained)
-            elif self._core is not None and getattr(self, name) != trained:
+            elif self.core is not None and getattr(self, name) != trained:
                 warnings.warn(
                     f"{self.name}: {name}={getattr(self, name)} overrides the artifact's setting ({self.checkpoint} "
                     f"was trained with {trained})",
                     stacklevel=5,
                 )
-
-    @property
-    def core(self) -> CoreModel:
-        if self._core is None:
-            raise ValueError(f"{self.name} has no checkpoint")
-        return self._core
-
-    def use_artifact(self, core: CoreModel) -> None:
-        """Share an already loaded artifact (the ``core`` press loads it once for its whole stack)."""
-        self._core = core
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup and per-forward bookkeeping
@@ -240,7 +230,7 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         if id(model) not in self._checked:
             self.core.check_base_model(model)  # FingerprintMismatch (a ValueError) for another base model
             self._checked.add(id(model))
-        self._core = self.core.to(next(model.parameters()).device)
+        self.core.to(next(model.parameters()).device)  # in place: the memory's weights (core.memory) move with it
         self._rotary = layer_rotary(model)  # (module, x, positions) -> cos, sin of that layer's RoPE
         if self._inner is not None:
             self._inner.on_enter(model)
@@ -314,9 +304,6 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         """``B = target(t_e)`` with ``t_e`` the positions processed so far (replay's ``budget_split``), at prefill,
         chunk and decode-time events alike."""
         return self.target(self._layers[module.layer_idx].next)
-
-    def aux_bytes(self) -> int:
-        return sum(self.aux_breakdown().values())
 
     def aux_breakdown(self) -> dict:
         """Bookkeeping bytes held: ``{"positions", "persistence", "obs_window"}`` (entries appended since the last
@@ -434,6 +421,15 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         return out
 
 
+def artifact_at(checkpoint: str | Path, where: str = "core") -> CoreModel:
+    """The CORE artifact at ``checkpoint`` (offline); ``ValueError`` naming ``where`` and the folder when there is none
+    (:meth:`CoreModel.from_pretrained` refuses invalid stored settings and tensors)."""
+    path = Path(checkpoint)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{where}: no CORE artifact at {path} (expected config.json + model.safetensors)")
+    return CoreModel.from_pretrained(path)
+
+
 def _standardised_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``softmax((s − mean) / std)`` per head over its valid entries (unbiased std, at least 1e-6) (Hkv, N)."""
     if bool(valid.all()):
@@ -445,4 +441,4 @@ def _standardised_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Te
     return out
 
 
-__all__ = ["ALLOCATIONS", "CoreEvent", "CoreScorerPress", "ScorerLayer"]
+__all__ = ["ALLOCATIONS", "CoreEvent", "CoreScorerPress", "ScorerLayer", "artifact_at"]

@@ -10,7 +10,7 @@ wrapper inside this one has had its say)::
 
 and before ``o_proj`` of every later query (chunk queries, question and generated tokens) the gated readout
 ``ô = o_R + g(q)(m(q) − o_R)`` (:func:`core_kv.memory.compensate_fused`) replaces the retained-cache output. The
-memory's weights (``W_φ``, the gate) come from the artifact the CORE scorer loaded.
+memory's weights (``W_φ``, the gate) are the artifact's, handed in by the ``core`` press that loaded it.
 
 So the paper's CORE is ``LatentMemoryPress(CoreScorerPress(...))``; the ``core`` press composes it from the
 artifact's inference policy, outermost, whatever else the policy adds. Shapes: H query heads, Hkv KV heads, T tokens
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from core_kv.config import parse_layers
-from core_kv.memory import WRITE_RULES, MemoryState, compensate_fused, write_fused, write_weights
+from core_kv.memory import WRITE_RULES, LatentMemory, MemoryState, compensate_fused, write_fused, write_weights
 from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules, prerope_queries_from_projection
 from core_kv.models.cache import RaggedLayer
 from core_kv.presses.base import WrapperPress
@@ -53,10 +53,14 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
     "Stage 4", "Inference"), around a press whose stack contains the CORE scorer (the distribution, the bookkeeping
     of positions and the artifact).
 
+    Built by the ``core`` press (:mod:`core_kv.presses.core`), which loads the artifact once and hands this press its
+    memory: ``LatentMemoryPress(press=stack, memory=core.memory, write_rule=core.config.write_rule)``.
+
     Args:
         press: The wrapped press (its stack must contain a ``core_scorer``).
-        write_rule: ``mass`` (CORE), ``equal_event`` or ``uniform_token`` (paper Tables 3, 8); ``None`` = the
-            artifact's rule.
+        memory: The artifact's trained memory (:attr:`CoreModel.memory <core_kv.core_model.CoreModel>`: ``W_φ``, the
+            gate); required unless the press is a no-op.
+        write_rule: ``mass`` (CORE), ``equal_event`` or ``uniform_token`` (paper Tables 3, 8).
         layers: Layers that write and read a memory (``"0-5,8"``); ``""`` = every layer. A policy chosen on
             validation data may keep the memory only where it helps [a deviation from the paper's all-layer memory;
             docs/method.md "Inference policy"].
@@ -68,7 +72,8 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
     """
 
     press: WrapperPress | CoreScorerPress | str = "core_scorer"
-    write_rule: str | None = None
+    memory: LatentMemory | None = field(default=None, repr=False, compare=False)
+    write_rule: str = "mass"
     layers: str = ""
     budget_matched: bool = False
     memory_dtype: str | None = None
@@ -82,8 +87,11 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
             raise ValueError(
                 f"{self.name} needs the CORE scorer in the press it wraps (core_scorer), got {self.press!r}"
             )
-        if self.write_rule is not None and self.write_rule not in WRITE_RULES:
-            raise ValueError(f"write_rule must be one of {WRITE_RULES} or None, got {self.write_rule!r}")
+        if self.memory is None and not self.is_noop:
+            raise ValueError(f"{self.name} needs the artifact's trained memory: memory=<CoreModel>.memory (the core "
+                             "press hands it in: build_press('core', checkpoint=..., ...))")  # fmt: skip
+        if self.write_rule not in WRITE_RULES:
+            raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {self.write_rule!r}")
         if self.memory_dtype not in MEMORY_DTYPES:
             raise ValueError(f"memory_dtype must be None, float32, bfloat16 or float16, got {self.memory_dtype!r}")
         self._layer_set = set(parse_layers(self.layers, "layers"))
@@ -91,10 +99,6 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
     @property
     def scorer(self) -> CoreScorerPress | None:
         return self.inner(CoreScorerPress)
-
-    @property
-    def rule(self) -> str:
-        return self.write_rule or self.scorer.core.config.write_rule
 
     def active(self, layer: int) -> bool:
         return not self._layer_set or layer in self._layer_set
@@ -109,10 +113,10 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
 
     def token_equivalent(self, cache_element_size: int) -> int:
         """Cached tokens one KV head's memory state is worth: ``ceil(state bytes / (2 · D · bytes(dtype)))``."""
-        c = self.scorer.core.config
+        m = self.memory
         mb = self._memory_dtype(cache_element_size).itemsize  # [M | b] in the storage dtype, Z/s_v/radius fp32
-        per_head = c.memory_dim * (c.head_dim + 1) * mb + (c.head_dim + 2) * 4
-        return math.ceil(per_head / (2 * c.head_dim * cache_element_size))
+        per_head = m.dim * (m.head_dim + 1) * mb + (m.head_dim + 2) * 4
+        return math.ceil(per_head / (2 * m.head_dim * cache_element_size))
 
     def _memory_dtype(self, cache_element_size: int) -> torch.dtype:
         if self.memory_dtype:
@@ -125,14 +129,10 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
             b = max(1, b - self.token_equivalent(self.scorer.element_size(module.layer_idx)))
         return b
 
-    def aux_bytes(self) -> int:
-        return sum(self.aux_breakdown().values())
-
     def aux_breakdown(self) -> dict:
         """``{"memory_state": bytes, ...}`` plus the wrapped stack's bookkeeping."""
-        inner = self.scorer.aux_breakdown()
         mem = sum(st.mem.nbytes() for st in self._memory.values() if st.mem is not None)
-        return {"memory_state": mem, **inner}
+        return {"memory_state": mem, **self.press.aux_breakdown()}
 
     # ------------------------------------------------------------------------------------------------------------
     # Hooks
@@ -214,14 +214,14 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
         pad = torch.arange(n_ev, device=v.device)[None] < n_ev_head[:, None]  # (Hkv, E)
         gather = ev_idx[..., None].expand(-1, -1, v.shape[-1])
         wts = self.write_weights(module.layer_idx, ev.p, evicted).gather(1, ev_idx) * pad  # padding writes nothing
-        mem = st.mem if st.mem is not None else self.scorer.core.memory.empty_state(device=v.device)
+        mem = st.mem if st.mem is not None else self.memory.empty_state(device=v.device)
         dtype = self._memory_dtype(keys.dtype.itemsize)
-        w_phi = self.scorer.core.memory.w_phi[module.layer_idx].detach()
+        w_phi = self.memory.w_phi[module.layer_idx].detach()
         st.mem = write_fused(mem, w_phi, ev.k_pre.gather(1, gather), v.float().gather(1, gather), wts, dtype=dtype)
 
     def write_weights(self, layer: int, p: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
         """Write weight of every candidate (Hkv, N) (:func:`core_kv.memory.write_weights` with the rule)."""
-        return write_weights(p, evicted, self.rule)
+        return write_weights(p, evicted, self.write_rule)
 
     # ------------------------------------------------------------------------------------------------------------
     # The readout
@@ -249,7 +249,7 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
 
     def compensate(self, layer: int, mem: MemoryState, q_pre, o_r, lse):
         """``(ô, g)`` (:func:`core_kv.memory.compensate_fused`; :func:`~core_kv.memory.compensate` up to rounding)."""
-        m = self.scorer.core.memory
+        m = self.memory
         w_phi_t = m.w_phi[layer].detach().mT  # a transposed view: the matmul reads it in place
         return compensate_fused(mem, w_phi_t, m.gate_w[layer], m.gate_b[layer], q_pre, o_r, lse)
 

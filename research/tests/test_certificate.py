@@ -126,3 +126,17 @@ def test_adaptive_certificate_matches_the_uniform_one_and_masks_each_heads_paddi
 def test_a_certificate_without_memory_is_refused(path):
     with pytest.raises(ValueError, match="audits the memory"):
         certified(path, compression_ratio=0.5, memory=False)
+
+
+def test_certified_stack_is_the_core_stack_with_its_memory_rebuilt(path):
+    """The certified press composes its own stack: the ``core`` stack's pieces, the latent memory rebuilt as the
+    certified one with the same options and the artifact's memory (no class hook in the product press)."""
+    press = certified(path, compression_ratio=0.5, head_budgets="adaptive", write_rule="equal_event")
+    plain = build_press("core", checkpoint=str(path), policy="paper", compression_ratio=0.5, head_budgets="adaptive",
+                        write_rule="equal_event")  # fmt: skip
+    assert repr(press).endswith("; CertifiedMemoryPress(AdaKVPress(CoreScorerPress)))")
+    assert press.memory_press is press.press and press.memory_press.memory is press.core.memory
+    mine, theirs = press.memory_press.config_dict(), plain.memory_press.config_dict()
+    assert {k: v for k, v in mine.items() if k not in ("name", "certificate_delta", "write_noise")} == {
+        k: v for k, v in theirs.items() if k != "name"
+    }
