@@ -63,8 +63,8 @@ BASE = "core_kv.presses.base.BasePress"
 INDEXER = "indexer"  # the press's indexer instance
 ATTENTION = "attention"  # the base attention implementation registered with transformers
 TARGETS = (  # (owner, attribute, component): the pieces of the composed press (core_kv/presses/core.py)
-    (SCORER, "_q_hook", "q_hook"),
-    (MEMORY, "_q_hook", "q_hook"),
+    (BASE, "_query_hook", "q_hook"),  # the one capture of q_proj per forward
+    (BASE, "queries", "q_hook"),  # its conversion, once per forward, read by the scorer and the memory
     (BASE, "_pre_hook", "hooks"),
     (BASE, "_post_hook", "hooks"),
     (SCORER, "before_forward", "hooks"),

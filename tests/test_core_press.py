@@ -17,9 +17,12 @@ from core_kv.distill.replay import ReplaySpec, capture, replay_layer
 from core_kv.models.cache import RaggedLayer, cache_kwarg, kv_bytes, layer_lengths
 from core_kv.models.fingerprint import FingerprintMismatch
 from core_kv.pipeline import greedy_answer, prefill
+from core_kv.presses import base as press_base
 from core_kv.presses import build_press
 from core_kv.presses.adakv import AdaKVPress
 from core_kv.presses.core import CorePress
+from core_kv.presses.core_scorer import CoreEvent
+from core_kv.presses.knorm import KnormPress
 from core_kv.presses.latent_memory import MemoryLayer
 from tests.helpers import N, ids, logits_after, record_core_kept, tiny_model
 
@@ -68,6 +71,60 @@ def test_artifact_loaded_once_and_handed_to_the_pieces(tiny_artifact, monkeypatc
     assert "core" not in press.scorer.config_dict() and press.scorer.config_dict()["checkpoint"] == str(path)
     with pytest.raises(ValueError, match="latent_memory needs the artifact's trained memory"):
         build_press("latent_memory", press=press.scorer)
+
+
+class PublishingKnorm(KnormPress):
+    """A non-CORE scorer that publishes an event (uniform ``p``, its cached keys as the pre-RoPE keys) in the stack's
+    per-layer state, as CORE's scorer does, and withdraws it after the ``evicted`` phase."""
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        hkv, n = keys.shape[1:3]
+        pos = torch.arange(n)[None].expand(hkv, -1)
+        self.layer_state[module.layer_idx]["event"] = CoreEvent(
+            p=torch.full((hkv, n), 1 / n), k_pre=keys[0].float(), positions=pos, lengths=kwargs["kv_lengths"]
+        )
+        return super().score(module, hidden_states, keys, values, attentions, kwargs)
+
+    def evicted(self, module, keys, values, kept, lengths=None) -> None:
+        self.layer_state[module.layer_idx].pop("event")
+
+
+def test_the_memory_writes_the_event_it_is_handed(tiny_artifact, llama):
+    """The scorer's event reaches the memory as data (the per-layer state during the ``evicted`` phase): the memory
+    needs no CORE scorer below it, and writes the event's mass of the finally evicted entries (``Z = Σ_E p``)."""
+    core, _ = tiny_artifact
+    press = build_press("latent_memory", press=PublishingKnorm(compression_ratio=0.75), memory=core.memory)
+    prefill(llama, ids(), press)
+    for layer in (0, 1):
+        mem = press.memory_state(layer)
+        assert mem.events == 1
+        torch.testing.assert_close(mem.Z, torch.full((2,), (N - N // 4) / N))  # 150 of 200 evicted, p = 1/200 each
+    assert all("event" not in st for st in press.layer_state.values())  # withdrawn after the phase
+
+
+def test_one_query_capture_per_forward_serves_every_piece(tiny_artifact, llama, monkeypatch):
+    """The scorer (observation window) and the memory (readout) read one capture of ``q_proj`` per forward: one hook
+    per layer, the projection converted at most once per (layer, forward)."""
+    _, path = tiny_artifact
+    press = press_for(path, compression_ratio=0.75, policy="paper")  # scorer + memory
+    converted, forwards = [], []
+    convert = press_base.prerope_queries_from_projection
+    monkeypatch.setattr(
+        press_base, "prerope_queries_from_projection", lambda m, out: converted.append(m.layer_idx) or convert(m, out)
+    )
+    attn = llama.model.layers[0].self_attn
+    with press(llama):
+        assert len(attn.q_proj._forward_hooks) == 1
+    handles = [layer.self_attn.register_forward_hook(lambda m, a, o: forwards.append(m.layer_idx))
+               for layer in llama.model.layers]  # fmt: skip
+    try:
+        cache = prefill(llama, ids(), press, chunk_size=64)
+        greedy_answer(llama, cache, N, ids(4, seed=2), 3, press, eos_token_ids=[])
+    finally:
+        for h in handles:
+            h.remove()
+    assert not attn.q_proj._forward_hooks
+    assert sorted(converted) == sorted(forwards)  # every forward read (window or readout), converted once
 
 
 def test_refuses_artifact_for_another_model_and_missing_checkpoint(tiny_artifact, tmp_path):
@@ -382,7 +439,7 @@ def run_recording(press, model, ctx, chunk_size=None):
 
     def recording(module, keys, values, k, lengths=None):
         kept[module.layer_idx] = list(k[0]) if isinstance(k, torch.Tensor) else list(k)
-        dists[module.layer_idx] = scorer.event(module.layer_idx).p.clone()
+        dists[module.layer_idx] = scorer.layer_state[module.layer_idx]["event"].p.clone()
         evicted(module, keys, values, k, lengths)
 
     scorer.evicted = recording

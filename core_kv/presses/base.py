@@ -42,13 +42,14 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from core_kv.budget import kept_tokens, protected_split
-from core_kv.models.attention import press_layers, ragged_attention
+from core_kv.models.attention import prerope_queries_from_projection, press_layers, ragged_attention
 from core_kv.models.cache import RaggedLayer, cache_from_kwargs, check_cache_supported, layer_lengths
 from core_kv.presses.install import claim, release
 from core_kv.presses.options import check_press_options
@@ -170,9 +171,24 @@ class BasePress:
     # Extension points for stateful presses (CORE uses them as any press would)
 
     def install(self, model: nn.Module) -> list:
-        """Extra hooks the press needs beyond the attention hooks (e.g. on ``q_proj``); returns their handles, which
-        :meth:`__call__` removes on exit, whatever happens."""
+        """Extra hooks the press needs beyond the attention hooks; returns their handles, which :meth:`__call__`
+        removes on exit, whatever happens."""
         return []
+
+    def captures_queries(self) -> bool:
+        """Whether a press of the stack reads :meth:`queries` (then one forward hook on every ``q_proj`` captures the
+        projection of each forward, for every piece)."""
+        return False
+
+    def queries(self, module: nn.Module) -> torch.Tensor:
+        """The pre-RoPE queries ``(H, T, D)`` (fp32) of ``module``'s current forward, from the model's own ``q_proj``
+        output (q_norm applied as the model applies it; not projected again). One capture per forward serves every
+        press of the stack: the projection is kept in the shared per-layer state, converted on the first read and
+        dropped when the forward ends. Only while the press is entered, for a press whose :meth:`captures_queries`."""
+        st = self._state[module.layer_idx]
+        if "queries" not in st:
+            st["queries"] = prerope_queries_from_projection(module, st["q_proj"])[0].float()
+        return st["queries"]
 
     def uninstall(self, model: nn.Module) -> None:
         """Undo per-model side effects of :meth:`install` other than the hooks (called on exit, whatever happens)."""
@@ -264,6 +280,20 @@ class BasePress:
         self.before_forward(module, kwargs.get("hidden_states", args[0] if args else None), cache, kwargs)
 
     def _post_hook(self, module: nn.Module, args, kwargs, output):
+        try:
+            return self._after(module, args, kwargs, output)
+        finally:  # the forward's query capture is not kept beyond it
+            st = self._state.get(module.layer_idx, {})
+            st.pop("q_proj", None)
+            st.pop("queries", None)
+
+    def _query_hook(self, attn: nn.Module, proj: nn.Module, args, output: torch.Tensor) -> None:
+        st = self._state.get(attn.layer_idx)
+        if st is not None:  # the raw projection; :meth:`queries` converts it once, on the first read
+            st["q_proj"] = output
+            st.pop("queries", None)
+
+    def _after(self, module: nn.Module, args, kwargs, output):
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         cache = cache_from_kwargs(kwargs)
         idx = module.layer_idx
@@ -348,10 +378,14 @@ class BasePress:
         overrides_readout = self.reads_out()
         try:
             handles += self.install(model)
+            captures = self.captures_queries()
             for layer in layers:
                 attn = layer.self_attn
                 handles.append(attn.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
                 handles.append(attn.register_forward_hook(self._post_hook, with_kwargs=True))
+                if captures:  # one capture of the queries per forward, for every press of the stack
+                    proj = attn.qkv_proj if hasattr(attn, "qkv_proj") else attn.q_proj
+                    handles.append(proj.register_forward_hook(partial(self._query_hook, attn)))
                 if overrides_readout:
                     attn.o_proj.__dict__["_core_kv_attn"] = attn
                     handles.append(attn.o_proj.register_forward_pre_hook(self._readout_hook))
@@ -511,6 +545,9 @@ class WrapperPress(BasePress):
 
     def install(self, model: nn.Module) -> list:
         return self.press.install(model)
+
+    def captures_queries(self) -> bool:
+        return self.press.captures_queries()
 
     def uninstall(self, model: nn.Module) -> None:
         self.press.uninstall(model)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ from torch import nn
 
 from core_kv.core_model import CoreModel
 from core_kv.features import OBS_WINDOW, compute_features, observation_attention
-from core_kv.models.attention import apply_rope, attention_modules, layer_rotary, prerope_queries_from_projection
+from core_kv.models.attention import apply_rope, layer_rotary
 from core_kv.models.cache import layer_lengths
 from core_kv.presses.base import Kept, ScorerPress
 
@@ -50,9 +49,11 @@ ALLOCATIONS = ("indexer", "expected_attention", "keydiff")
 
 @dataclass
 class CoreEvent:
-    """The candidates of the current eviction event of one layer, as the scorer saw them (the latent memory writes
-    the evicted ones from here): ``p`` (Hkv, N) the distribution the memory writes with (0 on a ragged cache's
-    padding), ``k_pre`` (Hkv, N, D) pre-RoPE keys, ``positions`` (Hkv, N) original positions, ``lengths`` (Hkv,)."""
+    """The candidates of the current eviction event of one layer, as the scorer saw them, published in the stack's
+    per-layer state (``layer_state[layer]["event"]``) from :meth:`~CoreScorerPress.score` to the end of the
+    :meth:`~CoreScorerPress.evicted` phase (the latent memory writes the evicted ones from it): ``p`` (Hkv, N) the
+    distribution the memory writes with (0 on a ragged cache's padding), ``k_pre`` (Hkv, N, D) pre-RoPE keys,
+    ``positions`` (Hkv, N) original positions, ``lengths`` (Hkv,)."""
 
     p: torch.Tensor
     k_pre: torch.Tensor
@@ -73,9 +74,7 @@ class ScorerLayer:
         wq_pre, wpos: The observation window: pre-RoPE queries (H, w, D) of the last ``OBS_WINDOW`` positions and
             their positions (w,).
         next: 1 + the last position processed.
-        element_size: Bytes per cached element (the cache dtype).
-        fwd: The current forward: its positions, RoPE tables and whether it feeds the window.
-        event: The candidates of the event in progress (see :class:`CoreEvent`).
+        fwd: The current forward: its positions and whether it feeds the window.
     """
 
     pos: torch.Tensor
@@ -86,9 +85,7 @@ class ScorerLayer:
     n_pending: int = 0
     wq_pre: torch.Tensor | None = None
     next: int = 0
-    element_size: int = 4
     fwd: dict | None = None
-    event: CoreEvent | None = None
 
     @classmethod
     def empty(cls, kv_heads: int, device) -> ScorerLayer:
@@ -235,15 +232,9 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         if self._inner is not None:
             self._inner.on_enter(model)
 
-    def install(self, model: nn.Module) -> list:
-        """A forward hook on every ``q_proj`` (``qkv_proj`` for Phi3): the queries of the observation window."""
-        if self.is_noop:
-            return []
-        handles = []
-        for attn in attention_modules(model):
-            proj = attn.qkv_proj if hasattr(attn, "qkv_proj") else attn.q_proj
-            handles.append(proj.register_forward_hook(partial(self._q_hook, attn)))
-        return handles
+    def captures_queries(self) -> bool:
+        """The observation window is made of the queries of every forward (:meth:`BasePress.queries`)."""
+        return not self.is_noop
 
     @property
     def evicts(self) -> bool:  # type: ignore[override]
@@ -274,20 +265,14 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
             st.wq_pre, st.wpos = None, st.wpos[:0]
         st.fwd = {"pos": new_pos, "window": window}
 
-    def _q_hook(self, attn: nn.Module, proj: nn.Module, args, output: torch.Tensor) -> None:
-        """Pre-RoPE queries of the current forward into the observation window (the last ``OBS_WINDOW``, across
-        forwards, decode steps included)."""
-        st = self._layers.get(attn.layer_idx)
-        if st is None or st.fwd is None or not st.fwd["window"]:
-            return
-        q_pre = prerope_queries_from_projection(attn, output)[0].float()  # (H, T, D)
-        wq_pre = q_pre if st.wq_pre is None else torch.cat([st.wq_pre, q_pre], 1)
-        wpos = torch.cat([st.wpos, st.fwd["pos"]])
-        st.wq_pre, st.wpos = wq_pre[:, -OBS_WINDOW:], wpos[-OBS_WINDOW:]  # post-RoPE recomputed at events
-
     def after_forward(self, module: nn.Module, hs: torch.Tensor, cache, kwargs: dict) -> None:
         st = self._layers[module.layer_idx]
         fwd, st.fwd = st.fwd, None
+        if fwd["window"]:  # the forward's pre-RoPE queries join the window (the last OBS_WINDOW, across forwards)
+            q_pre = self.queries(module)  # (H, T, D)
+            wq_pre = q_pre if st.wq_pre is None else torch.cat([st.wq_pre, q_pre], 1)
+            wpos = torch.cat([st.wpos, fwd["pos"]])
+            st.wq_pre, st.wpos = wq_pre[:, -OBS_WINDOW:], wpos[-OBS_WINDOW:]  # post-RoPE recomputed at events
         st.pending.append(fwd["pos"])
         st.n_pending += hs.shape[1]
         st.next = max(st.next, int(fwd["pos"].max()) + 1)
@@ -298,7 +283,6 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
                 f"layer {module.layer_idx}: tracked {(st.lengths + st.n_pending).tolist()} cached entries per KV "
                 f"head, the cache holds {cached.tolist()}"
             )
-        st.element_size = layer.dtype.itemsize if layer.keys is None else layer.keys.element_size()
 
     def eviction_target(self, module: nn.Module, seen: int, prefill: bool) -> int:
         """``B = target(t_e)`` with ``t_e`` the positions processed so far (replay's ``budget_split``), at prefill,
@@ -317,17 +301,14 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
                 out["obs_window"] += st.wq_pre.numel() * st.wq_pre.element_size() + st.wpos.numel() * 8
         return out
 
-    def element_size(self, layer: int) -> int:
-        """Bytes per cached element of ``layer`` (for the memory's token equivalent)."""
-        return self._layers[layer].element_size
-
     # ------------------------------------------------------------------------------------------------------------
     # The eviction event
 
     @torch.no_grad()
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
         """The indexer's logits ``s`` (1, Hkv, N) (a ragged cache's padding: 0; ``ScorerPress.compress`` masks it);
-        the calibrated ``p`` and the pre-RoPE keys stay in :attr:`ScorerLayer.event` for this event."""
+        the calibrated ``p`` and the pre-RoPE keys are published as this event's :class:`CoreEvent` in the stack's
+        per-layer state (``layer_state[layer]["event"]``), where the pooling and the memory read them."""
         idx = module.layer_idx
         st = self._layers[idx]
         st.materialize()
@@ -344,7 +325,7 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         else:
             scores = self._inner.score(module, hidden_states, keys, values, None, kwargs)[0].float()  # (Hkv, N)
             p = _standardised_softmax(scores, valid)
-        st.event = CoreEvent(p=p, k_pre=k_pre, positions=st.pos, lengths=st.lengths)
+        self.layer_state[idx]["event"] = CoreEvent(p=p, k_pre=k_pre, positions=st.pos, lengths=st.lengths)
         return scores.masked_fill(~valid, 0.0)[None]
 
     def pooled_scores(self, module: nn.Module, scores: torch.Tensor) -> torch.Tensor:
@@ -352,16 +333,13 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         head); with another ``allocation``, that press's raw scores (AdaKV over that press)."""
         if self._inner is not None:
             return scores
-        return self._layers[module.layer_idx].event.p[None]
-
-    def event(self, layer: int) -> CoreEvent:
-        """The candidates of ``layer``'s event in progress (between :meth:`score` and :meth:`evicted`)."""
-        return self._layers[layer].event
+        return self.layer_state[module.layer_idx]["event"].p[None]
 
     def evicted(self, module, keys, values, kept, lengths=None) -> None:
-        """Log the event (ε̂ per head) and keep the positions and persistence of the final retained entries."""
+        """Log the event (ε̂ per head), keep the positions and persistence of the final retained entries and withdraw
+        the published event (the wrappers' ``evicted`` phases, outside this one, have read it)."""
         st = self._layers[module.layer_idx]
-        ev = st.event
+        ev = self.layer_state[module.layer_idx].pop("event")
         hkv, n = ev.p.shape
         mask = torch.zeros(hkv, n, dtype=torch.bool, device=ev.p.device)
         heads = kept[0] if isinstance(kept, torch.Tensor) else kept
@@ -373,7 +351,6 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
              "kept_per_head": mask.sum(-1).tolist(), "eps_hat": eps_hat.tolist()}
         )  # fmt: skip
         st.keep(kept[0] if isinstance(kept, torch.Tensor) else kept)
-        st.event = None
 
     def unrope(self, module: nn.Module, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE keys (Hkv, N, D) from cached post-RoPE ``keys`` at their original ``positions`` (Hkv, N).

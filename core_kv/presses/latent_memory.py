@@ -6,7 +6,7 @@ and "Inference". At every eviction event of the wrapped press (with the *final* 
 wrapper inside this one has had its say)::
 
     E = candidates \\ kept;  w = write_weights(p, E, rule)         # p: the CORE scorer's calibrated distribution
-    memory ← write(memory, φ⁺(k̃_E), v_E, w)                        # pre-RoPE keys, from the scorer's bookkeeping
+    memory ← write(memory, φ⁺(k̃_E), v_E, w)                        # pre-RoPE keys, from the scorer's event
 
 and before ``o_proj`` of every later query (chunk queries, question and generated tokens) the gated readout
 ``ô = o_R + g(q)(m(q) − o_R)`` (:func:`core_kv.memory.compensate_fused`) replaces the retained-cache output. The
@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch import nn
 
 from core_kv.config import parse_layers
 from core_kv.memory import WRITE_RULES, LatentMemory, MemoryState, compensate_fused, write_fused, write_weights
-from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules, prerope_queries_from_projection
+from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer
-from core_kv.presses.base import WrapperPress
-from core_kv.presses.core_scorer import CoreScorerPress
+from core_kv.presses.base import BasePress, WrapperPress
 
 MEMORY_DTYPES = (None, "float32", "bfloat16", "float16")
 
@@ -39,19 +37,22 @@ MEMORY_DTYPES = (None, "float32", "bfloat16", "float16")
 @dataclass
 class MemoryLayer:
     """Per-layer state of the memory: the state ``M, b, Z`` (``None`` before the first write), ``survive`` =
-    Π_e (1 − ε̂_e) per KV head (1 − it is the predicted evicted mass), and the current forward (``q_pre`` (H, T, D),
-    the cache, its RoPE tables and, for a decode step, the log-partition the attention returned)."""
+    Π_e (1 − ε̂_e) per KV head (1 − it is the predicted evicted mass), the cache's bytes per element, and the current
+    forward (the cache, its RoPE tables and, for a decode step, the log-partition the attention returned)."""
 
     survive: torch.Tensor
     mem: MemoryState | None = None
     fwd: dict | None = None
+    element_size: int = 4
 
 
 @dataclass
 class LatentMemoryPress(WrapperPress, name="latent_memory"):
     """Mass-weighted latent-memory writes of the finally evicted entries, and the gated readout (paper 002; CORE.md
-    "Stage 4", "Inference"), around a press whose stack contains the CORE scorer (the distribution, the bookkeeping
-    of positions and the artifact).
+    "Stage 4", "Inference"), around a press whose stack contains the CORE scorer. The scorer's event (its
+    distribution ``p``, the candidates' pre-RoPE keys and positions: :class:`~core_kv.presses.core_scorer.CoreEvent`)
+    reaches this press as data, in the stack's per-layer state (``layer_state[layer]["event"]``) during the
+    :meth:`evicted` phase; the queries of a forward are the stack's one capture (:meth:`BasePress.queries`).
 
     Built by the ``core`` press (:mod:`core_kv.presses.core`), which loads the artifact once and hands this press its
     memory: ``LatentMemoryPress(press=stack, memory=core.memory, write_rule=core.config.write_rule)``.
@@ -71,7 +72,7 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
             (``Z``, ``s_v``, the radius stay fp32).
     """
 
-    press: WrapperPress | CoreScorerPress | str = "core_scorer"
+    press: BasePress | str = "core_scorer"
     memory: LatentMemory | None = field(default=None, repr=False, compare=False)
     write_rule: str = "mass"
     layers: str = ""
@@ -83,10 +84,6 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
 
     def validate(self) -> None:
         super().validate()
-        if self.scorer is None:
-            raise ValueError(
-                f"{self.name} needs the CORE scorer in the press it wraps (core_scorer), got {self.press!r}"
-            )
         if self.memory is None and not self.is_noop:
             raise ValueError(f"{self.name} needs the artifact's trained memory: memory=<CoreModel>.memory (the core "
                              "press hands it in: build_press('core', checkpoint=..., ...))")  # fmt: skip
@@ -95,10 +92,6 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
         if self.memory_dtype not in MEMORY_DTYPES:
             raise ValueError(f"memory_dtype must be None, float32, bfloat16 or float16, got {self.memory_dtype!r}")
         self._layer_set = set(parse_layers(self.layers, "layers"))
-
-    @property
-    def scorer(self) -> CoreScorerPress | None:
-        return self.inner(CoreScorerPress)
 
     def active(self, layer: int) -> bool:
         return not self._layer_set or layer in self._layer_set
@@ -126,7 +119,7 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
     def eviction_target(self, module: nn.Module, seen: int, prefill: bool) -> int:
         b = self.press.eviction_target(module, seen, prefill)
         if self.budget_matched and self.active(module.layer_idx):
-            b = max(1, b - self.token_equivalent(self.scorer.element_size(module.layer_idx)))
+            b = max(1, b - self.token_equivalent(self._memory[module.layer_idx].element_size))
         return b
 
     def aux_breakdown(self) -> dict:
@@ -137,15 +130,9 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
     # ------------------------------------------------------------------------------------------------------------
     # Hooks
 
-    def install(self, model: nn.Module) -> list:
-        handles = super().install(model)
-        if self.is_noop:
-            return handles
-        for attn in attention_modules(model):
-            if self.active(attn.layer_idx):
-                proj = attn.qkv_proj if hasattr(attn, "qkv_proj") else attn.q_proj
-                handles.append(proj.register_forward_hook(partial(self._q_hook, attn)))
-        return handles
+    def captures_queries(self) -> bool:
+        """The readout reads the queries of every forward (:meth:`BasePress.queries`)."""
+        return not self.is_noop or super().captures_queries()
 
     def uninstall(self, model: nn.Module) -> None:
         for attn in attention_modules(model):
@@ -171,15 +158,12 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
 
     sink_log_partition = True  # the certificate observer (research/) recomputes it instead
 
-    def _q_hook(self, attn: nn.Module, proj: nn.Module, args, output: torch.Tensor) -> None:
-        st = self._memory.get(attn.layer_idx)
-        if st is not None and st.fwd is not None:
-            st.fwd["q_pre"] = prerope_queries_from_projection(attn, output)[0].float()  # (H, T, D)
-
     def after_forward(self, module: nn.Module, hs: torch.Tensor, cache, kwargs: dict) -> None:
         st = self._memory.get(module.layer_idx)
         if st is not None:
             st.fwd = None
+            layer = cache.layers[module.layer_idx]  # its bytes per element: the token equivalent of budget matching
+            st.element_size = layer.dtype.itemsize if layer.keys is None else layer.keys.element_size()
         super().after_forward(module, hs, cache, kwargs)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -194,8 +178,9 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
         super().evicted(module, keys, values, kept, lengths)  # the scorer then keeps the retained positions
 
     def write(self, module, st: MemoryLayer, keys, values, kept) -> None:
-        """Write the evicted entries of this event with the CORE scorer's distribution (:func:`write_weights`)."""
-        ev = self.scorer.event(module.layer_idx)
+        """Write the evicted entries of this event with the CORE scorer's distribution (:func:`write_weights`), from the
+        event the scorer published in the per-layer state."""
+        ev = self.layer_state[module.layer_idx]["event"]
         v = values[0]  # (Hkv, N, D)
         hkv, n = ev.p.shape
         keep = torch.zeros(hkv, n, dtype=torch.bool, device=v.device)
@@ -232,9 +217,9 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
         out = self.press.readout(module, attn_output)  # nothing in the shipped stacks; kept for composition
         attn_output = attn_output if out is None else out
         st = self._memory.get(module.layer_idx)
-        if self.is_noop or st is None or st.mem is None or st.fwd is None or "q_pre" not in st.fwd:
+        if self.is_noop or st is None or st.mem is None or st.fwd is None:
             return out
-        q_pre = st.fwd["q_pre"]  # (H, T, D)
+        q_pre = self.queries(module)  # (H, T, D)
         h, t, d = q_pre.shape
         o_r = attn_output[0].view(t, h, d).transpose(0, 1).float()  # (H, T, D)
         lse = st.fwd.get("lse")  # from the attention kernel (decode steps, see before_forward), else computed here
