@@ -127,8 +127,8 @@ def test_decoding_false_is_refused_not_silently_turned_on():
                                          r"decoding .* use the wrapped press alone"):  # fmt: skip
         build_press("paper_protocol", press="snapkv", compression_ratio=0.5, decoding=False)
     with pytest.raises(
-        ValueError, match=r"decoding must be true or false, got 0"
-    ):  # the option's type, as for any press
+        ValueError, match=r"decoding must be true or false or null, got 0"
+    ):  # the option's type, as for any wrapper (null: the wrapped press's)
         build_press("paper_protocol", press="snapkv", compression_ratio=0.5, decoding=0)
     assert build_press("paper_protocol", press="snapkv", compression_ratio=0.5).decoding is True
     assert build_press("paper_protocol", press="snapkv", compression_ratio=0.5, decoding=True).press.decoding is True

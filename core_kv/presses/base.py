@@ -20,15 +20,19 @@ and goes beyond it where kvpress users complain (§6 there):
 - **Readout before W_O.** A press that overrides :meth:`BasePress.readout` gets a forward pre-hook on every
   ``o_proj`` and may add to the concatenated per-head attention output ``(B, T, H*D)`` (CORE's latent memory).
 - **Stateful presses** use public extension points, not the private hooks: :meth:`BasePress.install` /
-  :meth:`BasePress.uninstall` (extra hooks), :meth:`BasePress.before_forward` / :meth:`BasePress.after_forward`
-  (per-forward bookkeeping), :attr:`BasePress.evicts`, :meth:`BasePress.eviction_target` and
-  :meth:`BasePress.decode_event` (when and to what size to evict), :meth:`BasePress.compress` (what to keep), :meth:`BasePress.evicted` (the phase after selection: the
-  final kept set of an event, before the cache is rewritten) and :meth:`BasePress.readout`.
+  :meth:`BasePress.uninstall` (extra hooks), :meth:`BasePress.captures_queries` / :meth:`BasePress.queries` (the
+  queries of the current forward: one ``q_proj`` capture per forward for the whole stack),
+  :meth:`BasePress.before_forward` / :meth:`BasePress.after_forward` (per-forward bookkeeping),
+  :attr:`BasePress.evicts`, :meth:`BasePress.eviction_target` and :meth:`BasePress.decode_event` (when and to what
+  size to evict), :meth:`BasePress.compress` (what to keep), :meth:`BasePress.evicted` (the phase after selection:
+  the final kept set of an event, before the cache is rewritten) and :meth:`BasePress.readout`.
 - **Composition by wrapping** (kvpress's ``AdaKVPress(press)``): a :class:`WrapperPress` holds an inner press and
   forwards every extension point to it, so scoring, head-wise allocation (``adakv``), the repair pass
   (``twin_repair``) and compensation (``latent_memory``) stack in any order that makes sense. Only the outermost
   press's hooks run; :meth:`BasePress.evicted` reaches every press of the stack with the *final* kept set, so a
-  compensation wrapper outside a repair wrapper writes exactly the entries that leave the cache.
+  compensation wrapper outside a repair wrapper writes exactly the entries that leave the cache. The presses of a
+  stack share one per-layer state (:attr:`BasePress.layer_state`), through which one piece hands another data (CORE's
+  scorer its event to the memory); the budget, protection and decoding are held once, by the innermost press.
 
 Two levels, as kvpress's ``base_press.py`` / ``scorer_press.py``: :class:`BasePress` decides *when* to evict (the
 hooks, the budget, the finite-input check, the physical eviction) and asks :meth:`BasePress.compress` *which*
@@ -281,7 +285,7 @@ class BasePress:
 
     def _post_hook(self, module: nn.Module, args, kwargs, output):
         try:
-            return self._after(module, args, kwargs, output)
+            return self._evict_if_due(module, args, kwargs, output)
         finally:  # the forward's query capture is not kept beyond it
             st = self._state.get(module.layer_idx, {})
             st.pop("q_proj", None)
@@ -293,7 +297,7 @@ class BasePress:
             st["q_proj"] = output
             st.pop("queries", None)
 
-    def _after(self, module: nn.Module, args, kwargs, output):
+    def _evict_if_due(self, module: nn.Module, args, kwargs, output):
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         cache = cache_from_kwargs(kwargs)
         idx = module.layer_idx

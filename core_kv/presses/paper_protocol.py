@@ -51,11 +51,10 @@ class PaperProtocolPress(WrapperPress, name="paper_protocol"):
         sinks: First positions kept at every event, inside the budget (the paper: 4).
         interval: Decoding forwards between two decode-time events (the paper: 128).
         buffer: Forwards whose hidden states the wrapped press scores with at a decode-time event (the paper: 128).
-        decoding: Always true: the protocol compresses again while decoding (``decoding=False`` is refused; a
-            prefill-only cell is the wrapped press alone).
+        decoding: Always true, handed to the wrapped press (which holds it, as the budget): the protocol compresses
+            again while decoding (``decoding=False`` is refused; a prefill-only cell is the wrapped press alone).
     """
 
-    decoding: bool = True
     sinks: int = 4
     interval: int = 128
     buffer: int = 128
@@ -65,13 +64,14 @@ class PaperProtocolPress(WrapperPress, name="paper_protocol"):
             v = getattr(self, name)
             if v < low:
                 raise ValueError(f"{self.name}: {name} must be an integer >= {low}, got {v}")
-        if self.decoding is not True:  # this press's hooks decide decode-time events (decode_event)
+        if self.decoding is False:  # this press's hooks decide decode-time events (decode_event)
             raise ValueError(f"{self.name}: decoding={self.decoding!r}, but the protocol compresses again while "
                              "decoding (every `interval` forwards); for a prefill-only cell use the wrapped press alone")  # fmt: skip
+        self.decoding = True  # given here: handed to the wrapped press, which holds it
         super().validate()
         press = self.press
         while isinstance(press, BasePress):  # every press of the stack: decode-time bookkeeping, the sinks protected
-            press.decoding = True  # (WrapperPress.validate may have lent it already, unchecked)
+            press.decoding = True  # a wrapper writes it through to the press that holds it
             if not isinstance(press, WrapperPress):  # a method that compresses a prefix once refuses decoding
                 try:
                     press.validate()
