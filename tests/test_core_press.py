@@ -593,3 +593,23 @@ def test_repair_runs_twinkvs_pass_on_cores_sets(tiny_artifact, llama, head_budge
     assert swapped > 0  # the pass moved something (else the test checks nothing)
     if head_budgets == "uniform":
         assert all(len(x) == b for layer in after.values() for x in layer)
+
+
+def test_a_composition_serving_another_selection_says_so(tiny_artifact, tmp_path):
+    """The artifact records the selection its indexer and memory were trained under (``train.py``'s ``selection``);
+    a composition that serves the other one says so in its repr and records both in its results config."""
+    core, path = tiny_artifact
+    shared = press_for(path, compression_ratio=0.75, policy="paper", head_budgets="shared", memory=False)
+    assert core.config.trained_selection == "per_head"
+    assert "(trained per_head, served shared)" in repr(shared)
+    assert shared.config_dict()["trained_selection"] == "per_head"
+    assert "trained" not in repr(press_for(path, compression_ratio=0.75, policy="paper"))
+    core.config.trained_selection = "shared"
+    try:
+        core.save_pretrained(tmp_path / "shared")
+    finally:
+        core.config.trained_selection = "per_head"
+    assert "trained" not in repr(press_for(tmp_path / "shared", compression_ratio=0.75, policy="paper",
+                                           head_budgets="shared", memory=False))  # fmt: skip
+    assert "(trained shared, served per_head)" in repr(press_for(tmp_path / "shared", compression_ratio=0.75,
+                                                                 policy="paper"))  # fmt: skip

@@ -136,16 +136,29 @@ class CorePress(WrapperPress, name="core"):
         """The options given explicitly over the policy."""
         return {k: getattr(self, k) for k in OVERRIDES if getattr(self, k) is not None}
 
+    def selection_mismatch(self) -> str | None:
+        """``"trained per_head, served shared"`` when the composition serves another selection than the one the
+        artifact's indexer and memory were trained under (``train.py``'s ``selection``), else ``None``."""
+        if self.core is None:
+            return None
+        trained = self.core.config.trained_selection
+        served = "shared" if self.options.head_budgets == "shared" else "per_head"
+        return None if trained == served else f"trained {trained}, served {served}"
+
     def config_dict(self) -> dict:
         out = super().config_dict()
         out.update(applied=self.options.to_dict(), applied_label=self.options.describe(), overrides=self.overrides())
+        if self.core is not None:
+            out["trained_selection"] = self.core.config.trained_selection
         return out
 
     def __repr__(self) -> str:
         over = self.overrides()
         ratio = f"budget={self.budget}" if self.budget is not None else f"compression_ratio={self.compression_ratio}"
+        mismatch = self.selection_mismatch()
         return (
             f"CorePress(checkpoint={self.checkpoint!r}, {ratio}, policy={self.policy!r}: {self.options.describe()}"
+            + (f" ({mismatch})" if mismatch else "")
             + (f", overrides={over}" if over else "")
             + f"; {stack_shape(self.press)})"
         )
