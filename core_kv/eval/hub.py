@@ -34,6 +34,18 @@ def local_files(benchmark: str, task: str, source: str | os.PathLike | Mapping) 
     return paths
 
 
+def task_names(tasks, all_tasks, check_task, max_samples: int | None) -> list[str]:
+    """The tasks a loader reads: ``tasks`` is a task name, a list of them, or None for ``all_tasks``; each is
+    checked by ``check_task`` (which raises ``ValueError`` naming the benchmark), and ``max_samples`` must be
+    None or >= 1, all before any row is read."""
+    names = [tasks] if isinstance(tasks, str) else list(all_tasks if tasks is None else tasks)
+    for task in names:
+        check_task(task)
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
+    return names
+
+
 def load_rows(
     benchmark: str,
     dataset_id: str,
@@ -43,8 +55,10 @@ def load_rows(
     layout_hint: str,
     max_samples: int | None = None,
 ) -> list[dict]:
-    """Rows of ``task``: from the hub (``dataset_id``, ``data_dir=task``, split ``test``) when ``source`` is None,
-    else from local files. Hub failures (offline, no network, missing revision) raise one ``RuntimeError`` that
+    """Rows of ``task``: from the hub (``dataset_id``, ``data_dir=task``, split ``test``, at ``revision``) when
+    ``source`` is None, else from local files: a folder holding ``<task>.jsonl`` / ``<task>.json`` /
+    ``<task>.parquet`` or a ``<task>/`` folder of parquet or jsonl files (a hub snapshot), or a mapping task → file
+    (``FileNotFoundError`` when it has no file for ``task``); local files go through the same parser. Hub failures (offline, no network, missing revision) raise one ``RuntimeError`` that
     names the dataset and how to pass a local file; an empty file raises ``ValueError``."""
     import datasets
 

@@ -289,27 +289,18 @@ def load_longbench(
     Args:
         tasks: a task name, a list of them, or None for all 16 (``LONGBENCH_TASKS``).
         max_samples: keep the first N rows of each task (None: all).
-        source: None to read ``DATASET_ID`` from the Hugging Face hub at ``revision``; a folder holding
-            ``<task>.jsonl`` / ``<task>.json`` / ``<task>.parquet`` or a ``<task>/`` folder of parquet or jsonl
-            files (a hub snapshot); or a mapping task → file. Local files go through the same parser.
-        revision: hub revision (commit, tag or branch) used when ``source`` is None.
+        source, revision: where the rows come from: None reads ``DATASET_ID`` from the Hugging Face hub at
+            ``revision`` (commit, tag or branch), else local files (see ``core_kv.eval.hub.load_rows``).
 
     Returns:
         Samples in task order, rows in dataset order.
 
     Raises:
-        ValueError: unknown task, empty dataset, bad ``max_samples`` or a malformed row.
-        FileNotFoundError: ``source`` has no file for a requested task.
-        RuntimeError: the hub load failed (offline, no network); the message names the dataset and how to pass
-            a local file instead.
+        ValueError: unknown task, empty dataset, bad ``max_samples`` or a malformed row; FileNotFoundError or
+            RuntimeError from ``hub.load_rows`` (no local file for a task; the hub load failed).
     """
-    names = [tasks] if isinstance(tasks, str) else list(LONGBENCH_TASKS if tasks is None else tasks)
-    for task in names:
-        _check_task(task)
-    if max_samples is not None and max_samples < 1:
-        raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
     samples: list[Sample] = []
-    for task in names:
+    for task in hub.task_names(tasks, LONGBENCH_TASKS, _check_task, max_samples):
         samples += parse_rows(task, _load_rows(task, source, revision, max_samples))
     return samples
 

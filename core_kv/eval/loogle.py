@@ -188,28 +188,19 @@ def load_loogle(
     Args:
         tasks: a task name, a list of them, or None for all 4 (``LOOGLE_TASKS``).
         max_samples: keep the first N questions of each task (None: all).
-        source: None to read ``DATASET_ID`` from the Hugging Face hub at ``revision``; a folder holding
-            ``<task>.jsonl`` / ``<task>.json`` / ``<task>.parquet`` or a ``<task>/`` folder of parquet or jsonl
-            files (a hub snapshot); or a mapping task → file. Local files go through the same parser.
-        revision: hub revision used when ``source`` is None (default ``REVISION``, unpinned "main").
+        source, revision: None reads ``DATASET_ID`` from the hub at ``revision`` (default ``REVISION``, unpinned
+            "main"); a folder or a mapping task → file reads local files through the same parser
+            (``core_kv.eval.hub.load_rows``, which raises FileNotFoundError or RuntimeError with a clear message).
 
     Returns:
         Samples in task order, questions in dataset order; questions on one document share ``context`` and
         ``extra["doc_id"]``.
 
     Raises:
-        ValueError: unknown task, empty dataset, bad ``max_samples`` or a malformed row.
-        FileNotFoundError: ``source`` has no file for a requested task.
-        RuntimeError: the hub load failed (offline, no network); the message names the dataset and how to pass
-            a local file instead.
+        ValueError: an unknown task, an empty dataset, a bad ``max_samples`` or a malformed row.
     """
-    names = [tasks] if isinstance(tasks, str) else list(LOOGLE_TASKS if tasks is None else tasks)
-    for task in names:
-        _check_task(task)
-    if max_samples is not None and max_samples < 1:
-        raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
     samples: list[Sample] = []
-    for task in names:
+    for task in hub.task_names(tasks, LOOGLE_TASKS, _check_task, max_samples):
         samples += parse_rows(task, _load_rows(task, source, revision))[:max_samples]
     return samples
 

@@ -380,6 +380,16 @@ def _binary_search(total_tokens: Callable[[int], int], max_seq_length: int, lowe
     return best
 
 
+def _fitted_size(tokens: Callable[[int], int], extra: int, max_seq_length: int, incremental: int) -> int:
+    """Upstream's sizing: ``tokens(n)`` counts the input generated at size ``n``; a probe at ``incremental`` gives the
+    tokens per item, which bounds the search at three times the estimate; the largest size whose input plus ``extra``
+    tokens fits ``max_seq_length`` (:func:`_binary_search`), ``incremental`` when none does."""
+    per = tokens(incremental) / incremental
+    upper = max(int((max_seq_length / per) * 3), incremental * 2)
+    best = _binary_search(lambda n: tokens(n) + extra, max_seq_length, incremental, upper)
+    return best if best is not None else incremental
+
+
 def _fitted_records(
     gen: Callable[[int], tuple[str, list[str]]],
     count: TokenCounter,
@@ -510,11 +520,7 @@ def _generate_niah(task: RulerTask, max_seq_length: int, num_samples: int, count
     if type_haystack != "essay" and max_seq_length < 4096:
         incremental = 5
 
-    probe, _ = gen(incremental)
-    per = count(probe) / incremental
-    upper = max(int((max_seq_length / per) * 3), incremental * 2)
-    best = _binary_search(lambda n: count(gen(n)[0]) + ttg, max_seq_length, incremental, upper)
-    num_haystack = best if best is not None else incremental
+    num_haystack = _fitted_size(lambda n: count(gen(n)[0]), ttg, max_seq_length, incremental)
 
     return _fitted_records(gen, count, ttg, max_seq_length, num_samples, num_haystack, incremental, "niah", task.name)
 
@@ -567,12 +573,7 @@ def _generate_vt(task: RulerTask, max_seq_length: int, num_samples: int, count: 
         ttg = 0 if is_icl else task.tokens_to_generate
         incremental = 5 if (is_icl or max_seq_length < 4096) else 10
         example_tokens = 0 if is_icl else count(icl_example)
-        probe, _ = gen(incremental, is_icl)
-        per = count(probe) / incremental
-        upper = max(int((length_budget / per) * 3), incremental * 2)
-        best = _binary_search(lambda m: count(gen(m, is_icl)[0]) + example_tokens + ttg, length_budget,
-                              incremental, upper)  # fmt: skip
-        num_noises = best if best is not None else incremental
+        num_noises = _fitted_size(lambda m: count(gen(m, is_icl)[0]), example_tokens + ttg, length_budget, incremental)
 
         def attempt(m: int):
             try:
@@ -796,11 +797,7 @@ def _generate_qa_synth(task: RulerTask, max_seq_length: int, num_samples: int, c
         return template.format(context=context, query=question), [answer]
 
     incremental = 10
-    probe, _ = sample(incremental)
-    per = count(probe) / incremental
-    upper = max(int((max_seq_length / per) * 3), incremental * 2)
-    best = _binary_search(lambda n: count(sample(n)[0]) + ttg, max_seq_length, incremental, upper)
-    num_docs = best if best is not None else incremental
+    num_docs = _fitted_size(lambda n: count(sample(n)[0]), ttg, max_seq_length, incremental)
 
     return _fitted_records(sample, count, ttg, max_seq_length, num_samples, num_docs, incremental, "qa", task.name)
 
