@@ -48,72 +48,41 @@ from kvpress.utils import compute_n_kept
 from safetensors.torch import save_file
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # core_kv is not installed in kvpress's venv
+from core_kv.models.tiny import TINY  # noqa: E402  (imports torch only)
+
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "kvpress"
 SEQ_LEN = 160
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
+# core_kv's test shape (core_kv.models.tiny.TINY) with a smaller vocabulary, MLP and window, tied embeddings
+COMMON = dict(TINY, vocab_size=96, intermediate_size=96, max_position_embeddings=1024, tie_word_embeddings=True)
 MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM, dict(COMMON)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(COMMON, head_dim=16)),
 }
+
+
+def same(press: str, ctor, eager: bool = False, **options) -> tuple:
+    """A case whose core_kv press and kvpress constructor take the same ``options``."""
+    return press, options, ctor, dict(options), eager
+
+
 # case name -> (core_kv press name, core_kv options, kvpress constructor, kvpress options, eager)
 CASES = {
-    "knorm": ("knorm", {"compression_ratio": 0.5}, KnormPress, {"compression_ratio": 0.5}, False),
-    "knorm_r0.3": ("knorm", {"compression_ratio": 0.3}, KnormPress, {"compression_ratio": 0.3}, False),
-    "snapkv": ("snapkv", {"compression_ratio": 0.5}, SnapKVPress, {"compression_ratio": 0.5}, False),
-    "snapkv_w8": (
-        "snapkv",
-        {"compression_ratio": 0.5, "window_size": 8},
-        SnapKVPress,
-        {"compression_ratio": 0.5, "window_size": 8},
-        False,
-    ),
-    "streaming_llm": (
-        "streaming_llm",
-        {"compression_ratio": 0.5},
-        StreamingLLMPress,
-        {"compression_ratio": 0.5},
-        False,
-    ),
-    "pyramidkv": ("pyramidkv", {"compression_ratio": 0.5}, PyramidKVPress, {"compression_ratio": 0.5}, False),
-    "pyramidkv_r0.8": (  # infeasible pyramid: kvpress falls back to SnapKV's uniform budget
-        "pyramidkv",
-        {"compression_ratio": 0.8},
-        PyramidKVPress,
-        {"compression_ratio": 0.8},
-        False,
-    ),
-    "pyramidkv_w4": (  # window 4 makes the pyramid feasible at 160 tokens (the default falls back to SnapKV)
-        "pyramidkv",
-        {"compression_ratio": 0.5, "window_size": 4},
-        PyramidKVPress,
-        {"compression_ratio": 0.5, "window_size": 4},
-        False,
-    ),
-    "tova": ("tova", {"compression_ratio": 0.5}, TOVAPress, {"compression_ratio": 0.5}, False),
-    "keydiff": ("keydiff", {"compression_ratio": 0.5}, KeyDiffPress, {"compression_ratio": 0.5}, False),
-    "random": (
-        "random",
-        {"compression_ratio": 0.5, "seed": 0},
-        RandomPress,
-        {"compression_ratio": 0.5, "seed": 0},
-        False,
-    ),
-    "expected_attention": (  # kvpress's registry value 1e-2 (core_kv's default is the class's 0, as kvpress's)
-        "expected_attention",
-        {"compression_ratio": 0.5, "epsilon": 1e-2},
-        ExpectedAttentionPress,
-        {"compression_ratio": 0.5, "epsilon": 1e-2},
-        False,
-    ),
+    "knorm": same("knorm", KnormPress, compression_ratio=0.5),
+    "knorm_r0.3": same("knorm", KnormPress, compression_ratio=0.3),
+    "snapkv": same("snapkv", SnapKVPress, compression_ratio=0.5),
+    "snapkv_w8": same("snapkv", SnapKVPress, compression_ratio=0.5, window_size=8),
+    "streaming_llm": same("streaming_llm", StreamingLLMPress, compression_ratio=0.5),
+    "pyramidkv": same("pyramidkv", PyramidKVPress, compression_ratio=0.5),
+    # infeasible pyramid: kvpress falls back to SnapKV's uniform budget
+    "pyramidkv_r0.8": same("pyramidkv", PyramidKVPress, compression_ratio=0.8),
+    # window 4 makes the pyramid feasible at 160 tokens (the default falls back to SnapKV)
+    "pyramidkv_w4": same("pyramidkv", PyramidKVPress, compression_ratio=0.5, window_size=4),
+    "tova": same("tova", TOVAPress, compression_ratio=0.5),
+    "keydiff": same("keydiff", KeyDiffPress, compression_ratio=0.5),
+    "random": same("random", RandomPress, compression_ratio=0.5, seed=0),
+    # kvpress's registry value 1e-2 (core_kv's default is the class's 0, as kvpress's)
+    "expected_attention": same("expected_attention", ExpectedAttentionPress, compression_ratio=0.5, epsilon=1e-2),
     "expected_attention_eps0": (
         "expected_attention",
         {"compression_ratio": 0.5, "epsilon": 0.0},
@@ -121,14 +90,8 @@ CASES = {
         {"compression_ratio": 0.5},
         False,
     ),
-    "h2o": ("h2o", {"compression_ratio": 0.5}, ObservedAttentionPress, {"compression_ratio": 0.5}, True),
-    "adakv_expected_attention": (
-        "adakv_expected_attention",
-        {"compression_ratio": 0.5},
-        None,
-        {"compression_ratio": 0.5},
-        False,
-    ),
+    "h2o": same("h2o", ObservedAttentionPress, eager=True, compression_ratio=0.5),
+    "adakv_expected_attention": same("adakv_expected_attention", None, compression_ratio=0.5),
 }
 
 

@@ -11,7 +11,11 @@ other. Tiny models are built from config: no downloads.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,7 @@ from core_kv.distill.replay import capture
 from core_kv.eval.schema import Sample
 from core_kv.models.cache import cache_kwarg
 from core_kv.models.fingerprint import model_fingerprint
-from core_kv.models.tiny import FAMILIES, tiny_lm
+from core_kv.models.tiny import FAMILIES, TINY, tiny_lm
 from core_kv.pipeline import prefill
 from core_kv.presses import PRESSES, BasePress
 from core_kv.presses import build_press as _build_press
@@ -42,14 +46,42 @@ def ids(n: int = N, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def fit_tiny_artifact(model, d_z: int = 16, num_prototypes: int = 16, **config) -> CoreModel:
+def fit_tiny_artifact(model, d_z: int = 16, num_prototypes: int = 16, seed: int | None = None, **config) -> CoreModel:
     """A CORE model for ``model`` (save it with ``save_pretrained``): a geometry fitted to one capture of
-    ``ids(300, seed=9)``, an untrained indexer and memory (``config``: :meth:`CoreConfig.for_model` options)."""
+    ``ids(300, seed=9)``, an untrained indexer and memory (``config``: :meth:`CoreConfig.for_model` options), drawn
+    after ``torch.manual_seed(seed)`` unless ``seed`` is None."""
     geo = fit_geometry([a.k_pre for a in capture(model, ids(300, seed=9))], model_fingerprint(model), d_z=d_z,
                        num_prototypes=num_prototypes)  # fmt: skip
+    if seed is not None:
+        torch.manual_seed(seed)
     core = CoreModel(CoreConfig.for_model(model, geo, **config))
     core.set_geometry(geo)
     return core
+
+
+@contextmanager
+def locked_by_another(folder: Path, what: str, command: str):
+    """``folder`` locked (:mod:`core_kv.lock`) by another live process doing ``what``: yields its pid; the process is
+    killed on exit, so the lock it leaves is stale."""
+    from core_kv.lock import LOCK_NAME
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = {"pid": other.pid, "host": os.uname().nodename, "what": what, "command": command}
+        (folder / LOCK_NAME).write_text(json.dumps(owner))
+        yield other.pid
+    finally:
+        other.kill()
+        other.wait()
+
+
+def offline_hub_error(code: str, tmp_path: Path) -> str:
+    """The last stderr line of ``code`` run in a fresh interpreter with the hub offline and an empty cache (it must
+    fail): what a user without network sees from a loader that reads the hub."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stdout
+    return proc.stderr.strip().splitlines()[-1]
 
 
 def logits_after(model, press, ctx, question, chunk_size=None):
@@ -112,15 +144,7 @@ def masked_full_cache_logits(model, family_module, cache, keep, question, positi
 # The press contract's models and artifacts (tests/test_presses_contract.py, tests/test_paper_protocol.py)
 
 N_CTX = N
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-)
+COMMON = dict(TINY, vocab_size=128, max_position_embeddings=2048)  # core_kv.models.tiny's shape, smaller vocabulary
 ARCHS = tuple(FAMILIES)  # every family core_kv.models.tiny builds
 _MODELS: dict = {}
 CORE_ARTIFACTS: dict = {}  # "dir": the folder (the ``contract_artifacts`` fixture sets it per module); arch -> path
@@ -176,6 +200,19 @@ def model_for(press: BasePress, arch: str = "llama") -> torch.nn.Module:
 # Entry points
 
 
+# train.py options for a random-init teacher LM of the test shape on random documents (every tiny train run)
+TINY_TEACHER = (
+    "teacher.model.random_init=true",
+    "teacher.model.path=''",
+    "teacher.model.hidden_size=64",
+    "teacher.model.num_layers=2",
+    "teacher.model.num_heads=4",
+    "teacher.model.num_kv_heads=2",
+    "teacher.model.intermediate_size=128",
+    "teacher.data.source=random",
+)
+
+
 def tiny_args(out: Path, teacher: Path, *extra: str) -> list[str]:
     """``train.py`` options for a tiny random-init run (teacher into ``teacher``, the artifact into ``out``)."""
     return [
@@ -184,14 +221,7 @@ def tiny_args(out: Path, teacher: Path, *extra: str) -> list[str]:
         "teacher.chunk_size=64",
         "teacher.protected_recent=8",  # leaves free picks at 75% on 64-token events, so Table 7 rows exist
         "teacher.progress=false",
-        "teacher.model.random_init=true",
-        "teacher.model.path=''",
-        "teacher.model.hidden_size=64",
-        "teacher.model.num_layers=2",
-        "teacher.model.num_heads=4",
-        "teacher.model.num_kv_heads=2",
-        "teacher.model.intermediate_size=128",
-        "teacher.data.source=random",
+        *TINY_TEACHER,
         "teacher.data.num_docs=3",
         "teacher.data.calib_docs=2",
         "teacher.data.min_len=160",

@@ -15,10 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core_kv.models.cache import cache_kwarg
-from core_kv.pipeline import greedy_answer, prefill
-from core_kv.presses import base as press_base
 from core_kv.presses import build_press
+from tests.fixtures.core_flags.make import record  # the recording the fixtures were made with
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "core_flags"
@@ -31,29 +29,6 @@ def composed_options(flag_options: dict) -> dict:
     for k, v in flag_options.items():
         out[k] = RENAME.get(k, {}).get(v, v)
     return out
-
-
-def record(model, context, question, press, chunk, decode):
-    events = []
-    apply = press_base.BasePress._apply
-
-    def spy(cache, idx, keys, values, kept):
-        heads = kept[0] if isinstance(kept, torch.Tensor) else kept
-        events.append((idx, [h.tolist() for h in heads]))
-        return apply(cache, idx, keys, values, kept)
-
-    press_base.BasePress._apply = staticmethod(spy)
-    try:
-        cache = prefill(model, context, press, chunk)
-        n = context.shape[1]
-        if decode:
-            return events, None, greedy_answer(model, cache, n, question, decode, press, eos_token_ids=[], trim=False)
-        pos = torch.arange(n, n + question.shape[1])[None]
-        with torch.inference_mode(), press(model):
-            out = model(input_ids=question, position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
-        return events, out.logits[0].float(), []
-    finally:
-        press_base.BasePress._apply = staticmethod(apply)
 
 
 def unpack(t: dict, tag: str) -> list:
@@ -86,7 +61,7 @@ def check(model, name: str, checkpoint: str, tags: list[str] | None = None, atol
             for h, (got, exp) in enumerate(zip(heads, w_heads, strict=True)):
                 assert got == exp, f"{tag} event {e} (layer {layer}) head {h}: kept sets differ"
         assert tokens == cfg["tokens"], f"{tag}: generated tokens differ"
-        if logits is not None:
+        if not cfg["decode"]:  # a decoding run records tokens, no logits
             torch.testing.assert_close(logits[-2:, :512], tensors[f"{tag}/logits"], rtol=0, atol=atol, msg=tag)
 
 

@@ -326,7 +326,7 @@ def test_replay_targets_follow_the_utility_pool(replayed):
         assert em.mass is em.pi_u
         fpos, fw = future_queries(ex.t_e, 64, qa, a.q_post.shape[1], 0.5)
         qf = a.q_post[:, fpos].view(2, 2, len(fpos), -1)
-        u = future_utility(qf, a.k_post[:, : int(fpos.max()) + 1], fpos, ex.t_e, a.scaling, fw, pool="max")
+        u = future_utility(qf, a.k_post[:, : int(fpos.max()) + 1], fpos, ex.t_e, a.scaling, fw, pools=("max",))["max"]
         torch.testing.assert_close(ex.pi_u, normalise(u.gather(1, ex.cand).double()))
     t = {"chunk_size": 64, "protected_sinks": 4, "protected_recent": 16, "qa_weight": 0.5, "lam": 1.0, "steps": 8,
          "eta": "auto"}  # fmt: skip
@@ -334,18 +334,19 @@ def test_replay_targets_follow_the_utility_pool(replayed):
     assert ReplaySpec.from_teacher({**t, "utility_pool": "max"}).utility_pool == "max"
 
 
-def test_future_utilities_one_pass_equals_each_pool_alone():
-    """``future_utilities`` (the replay's single pass for the teacher's pool and α's mean) returns, pool for pool,
-    exactly what :func:`future_utility` returns for that pool alone, across query blocks and two query groups."""
-    from core_kv.teacher.utility import future_utilities, future_utility
+def test_future_utility_one_pass_equals_each_pool_alone():
+    """``future_utility`` under two pools (the replay's single pass for the teacher's pool and α's mean) returns,
+    pool for pool, exactly what it returns for that pool alone, across query blocks and two query groups."""
+    from core_kv.teacher.utility import future_utility
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 3, 10, 8, generator=g), torch.randn(2, 40, 8, generator=g)
     pos = torch.tensor([20, 21, 22, 23, 24, 25, 34, 35, 36, 39])
     w = torch.cat([torch.full((6,), 0.5 / 6), torch.full((4,), 0.5 / 4)])
-    both = future_utilities(q, k, pos, 20, 0.35, w, block=4, pools=("max", "mean"))
+    both = future_utility(q, k, pos, 20, 0.35, w, block=4, pools=("max", "mean"))
     assert set(both) == {"max", "mean"}
     for pool in ("mean", "max"):
-        assert torch.equal(both[pool], future_utility(q, k, pos, 20, 0.35, w, block=4, pool=pool))
+        assert set(alone := future_utility(q, k, pos, 20, 0.35, w, block=4, pools=(pool,))) == {pool}
+        assert torch.equal(both[pool], alone[pool])
     with pytest.raises(ValueError, match="utility pool"):
-        future_utilities(q, k, pos, 20, 0.35, w, pools=("median",))
+        future_utility(q, k, pos, 20, 0.35, w, pools=("median",))

@@ -11,17 +11,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from core_kv.core_model import CoreConfig, CoreModel
-from core_kv.distill.replay import capture
 from core_kv.models.cache import cache_kwarg, kv_bytes, layer_lengths
-from core_kv.models.fingerprint import model_fingerprint
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import PRESSES, ScorerPress, build_press
 from core_kv.presses import base as press_base
 from core_kv.presses.adakv import AdaKVPress
-from core_kv.teacher.geometry import fit_geometry
+from tests.helpers import N, fit_tiny_artifact, ids
 
-N = 200
 SCORERS = sorted(
     name for name, cls in PRESSES.items()
     if issubclass(cls, ScorerPress) and not cls.needs_attentions
@@ -32,19 +28,10 @@ SCORERS = sorted(
 HEAD_SHARED = {"streaming_llm", "tova"}  # scores shared by every KV head: AdaKV's split stays even
 
 
-def ids(n: int = N, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.fixture(scope="module")
 def core_path(tmp_path_factory, llama):
-    acts = capture(llama, ids(300, seed=9))
-    geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(llama), d_z=16, num_prototypes=16)
-    torch.manual_seed(0)
-    core = CoreModel(CoreConfig.for_model(llama, geo))
-    core.set_geometry(geo)
     path = tmp_path_factory.mktemp("core") / "final"
-    core.save_pretrained(path)
+    fit_tiny_artifact(llama, seed=0).save_pretrained(path)
     return path
 
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from core_kv.eval import longbench, scorers
 from core_kv.eval.longbench import aggregate_longbench, load_longbench
+from tests.helpers import offline_hub_error
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 FIXTURE_TASKS = sorted(p.stem for p in FIXTURES.glob("*.jsonl"))
@@ -182,8 +180,5 @@ def test_aggregate_partial_and_unknown():
 
 def test_offline_hub_load_fails_clearly(tmp_path):
     code = "from core_kv.eval.longbench import load_longbench\nload_longbench(tasks='qasper')\n"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("RuntimeError") and "'Xnhyacinth/LongBench'" in last and "source=" in last, proc.stderr
+    last = offline_hub_error(code, tmp_path)
+    assert last.startswith("RuntimeError") and "'Xnhyacinth/LongBench'" in last and "source=" in last, last

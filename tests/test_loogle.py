@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from core_kv.eval import loogle, scorers
 from core_kv.eval.loogle import aggregate_loogle, load_loogle
+from tests.helpers import offline_hub_error
 
 FIXTURES = Path(__file__).parent / "fixtures" / "loogle"
 
@@ -126,8 +124,5 @@ def test_errors(tmp_path):
 
 def test_offline_hub_load_fails_clearly(tmp_path):
     code = "from core_kv.eval.loogle import load_loogle\nload_loogle(tasks='shortdep_qa')\n"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("RuntimeError") and "'simonjegou/loogle'" in last and "source=" in last, proc.stderr
+    last = offline_hub_error(code, tmp_path)
+    assert last.startswith("RuntimeError") and "'simonjegou/loogle'" in last and "source=" in last, last

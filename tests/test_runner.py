@@ -19,7 +19,7 @@ from core_kv.eval.schema import Sample
 from core_kv.files import read_jsonl
 from core_kv.models.loading import ContextWindowError
 from core_kv.presses import PRESSES
-from tests.helpers import eval_argv, eval_samples
+from tests.helpers import eval_argv, eval_samples, locked_by_another
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = [("full", 0.0), ("knorm", 0.25), ("knorm", 0.5), ("snapkv", 0.25), ("snapkv", 0.5)]
@@ -130,18 +130,24 @@ def test_changed_config_in_same_folder_raises(clean_run, toy_data):
         run_eval(_cfg(toy_data, out, "generation.max_new_tokens=4"))
 
 
+def _written_before(clean_run, tmp_path, line: str):
+    """A copy of the clean run whose knorm 0.5 cell's config.yaml lacks ``line`` (as written before that option
+    existed): ``(folder, config path, the config's text as written)``."""
+    import shutil
+
+    out = tmp_path / "old"
+    shutil.copytree(clean_run[0], out)
+    cfg_path = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "config.yaml"
+    text = cfg_path.read_text()
+    assert line in text
+    cfg_path.write_text(text.replace(line, ""))
+    return out, cfg_path, text
+
+
 def test_folder_written_before_an_option_existed_is_still_finished(clean_run, toy_data, tmp_path):
     """A cell's config.yaml that lacks an option which now exists at its default is the same cell (an upgrade does
     not orphan finished results); the option at another value, or any other change, is a different cell."""
-    import shutil
-
-    clean_out, _ = clean_run
-    out = tmp_path / "old"
-    shutil.copytree(clean_out, out)
-    cfg_path = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "config.yaml"
-    text = cfg_path.read_text()
-    assert "  compress_questions: false\n" in text
-    cfg_path.write_text(text.replace("  compress_questions: false\n", ""))  # as written before the option existed
+    out, cfg_path, text = _written_before(clean_run, tmp_path, "  compress_questions: false\n")
     before = _folder_contents(out)
     run_eval(_cfg(toy_data, out))  # every cell finished: nothing recomputed or rewritten
     assert _folder_contents(out) == before
@@ -155,15 +161,7 @@ def test_folder_written_before_an_option_existed_is_still_finished(clean_run, to
 def test_folder_decoded_before_the_eos_rule_is_refused_unless_asked_for(clean_run, toy_data, tmp_path):
     """A cell written before ``generation.min_new_tokens`` existed stopped on a first-token eos (the rule 0): under
     the default 1 its answers may differ, so it is a different cell; ``min_new_tokens=0`` reuses it."""
-    import shutil
-
-    clean_out, _ = clean_run
-    out = tmp_path / "old"
-    shutil.copytree(clean_out, out)
-    cfg_path = cell_dir(out, "toy", "tiny", "knorm", 0.5) / "config.yaml"
-    text = cfg_path.read_text()
-    assert "  min_new_tokens: 1\n" in text
-    cfg_path.write_text(text.replace("  min_new_tokens: 1\n", ""))
+    out, cfg_path, text = _written_before(clean_run, tmp_path, "  min_new_tokens: 1\n")
     with pytest.raises(ValueError, match="different configuration"):
         run_eval(_cfg(toy_data, out, "methods=[knorm]", "ratios=[0.5]"))
     before = _folder_contents(out)
@@ -550,22 +548,13 @@ def test_damaged_results_files_are_named_and_the_cell_recomputed_or_refused(clea
 
 
 def test_a_second_evaluation_into_a_folder_being_written_is_refused(toy_data, tmp_path):
-    import subprocess
-    import sys
-
     from core_kv.lock import LOCK_NAME, FolderLocked
 
     tmp_path.mkdir(exist_ok=True)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        owner = {"pid": other.pid, "host": os.uname().nodename, "what": "evaluation", "command": "eval.py"}
-        (tmp_path / LOCK_NAME).write_text(json.dumps(owner))
-        with pytest.raises(FolderLocked, match=rf"being written by another evaluation \(pid {other.pid}"):
+    with locked_by_another(tmp_path, "evaluation", "eval.py") as pid:
+        with pytest.raises(FolderLocked, match=rf"being written by another evaluation \(pid {pid}"):
             run_eval(_cfg(toy_data, tmp_path))
         assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
-    finally:
-        other.kill()
-        other.wait()
     run_eval(_cfg(toy_data, tmp_path, "methods=[knorm]", "ratios=[0.5]", "plots=false"))  # the owner is gone: stale
     assert not (tmp_path / LOCK_NAME).exists()
 

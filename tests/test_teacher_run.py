@@ -18,6 +18,7 @@ from core_kv.models.loading import load_from_spec
 from core_kv.teacher.__main__ import main
 from core_kv.teacher.config import TeacherConfig, event_times
 from core_kv.teacher.dataset import TeacherDataset, TeacherDatasetMismatch
+from tests.helpers import locked_by_another
 
 TINY = [
     "model.random_init=true",
@@ -277,23 +278,13 @@ def test_a_dataset_written_before_an_option_existed_is_still_this_config(one_pro
 
 
 def test_a_second_teacher_run_into_a_folder_being_written_is_refused(one_proc, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     from core_kv.lock import LOCK_NAME, FolderLocked
 
     out, manifest = _copy(one_proc, tmp_path)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        owner = {"pid": other.pid, "host": os.uname().nodename, "what": "teacher run", "command": "x"}
-        (out / LOCK_NAME).write_text(json.dumps(owner))
-        with pytest.raises(FolderLocked, match=rf"being written by another teacher run \(pid {other.pid}"):
+    with locked_by_another(out, "teacher run", "x") as pid:
+        with pytest.raises(FolderLocked, match=rf"being written by another teacher run \(pid {pid}"):
             main([*TINY, f"out_dir={out}", "lam=0.5", "overwrite=true"])
         assert (out / "manifest.json").read_bytes() == manifest
-    finally:
-        other.kill()
-        other.wait()
     main([*TINY, f"out_dir={out}"])  # its owner is gone: the stale lock is replaced
     assert not (out / LOCK_NAME).exists()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import run, tiny_args, tiny_model
+from tests.helpers import locked_by_another, run, tiny_args, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -423,24 +423,14 @@ def test_another_configs_teacher_dataset_is_refused_not_rebuilt(tmp_path, teache
 def test_a_second_training_run_into_a_folder_being_written_is_refused(tmp_path, teacher_dir, reference):
     """Two runs into one out_dir interleaved their states (``FileNotFoundError .../.tmp-step_000015``) or left one
     config's weights under the other's report; the second is refused, naming the first."""
-    import json
-    import subprocess
-    import sys
-
     from core_kv.lock import LOCK_NAME, FolderLocked
 
     out = tmp_path / "busy"
     out.mkdir()
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        owner = {"pid": other.pid, "host": os.uname().nodename, "what": "training run", "command": "train.py"}
-        (out / LOCK_NAME).write_text(json.dumps(owner))
-        with pytest.raises(FolderLocked, match=rf"being written by another training run \(pid {other.pid} on "):
+    with locked_by_another(out, "training run", "train.py") as pid:
+        with pytest.raises(FolderLocked, match=rf"being written by another training run \(pid {pid} on "):
             run(tiny_args(out, teacher_dir))
         assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing written
-    finally:
-        other.kill()
-        other.wait()
 
 
 def test_a_full_disk_while_saving_a_state_is_named_and_the_rerun_resumes(tmp_path, teacher_dir, reference, monkeypatch):

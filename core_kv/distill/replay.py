@@ -44,7 +44,7 @@ from core_kv.geometry import Geometry
 from core_kv.models.attention import LayerQKV, attention_inputs, attention_modules, layer_qkv, window_layers
 from core_kv.teacher.config import layer_lam
 from core_kv.teacher.solver import solve_allocation
-from core_kv.teacher.utility import future_utilities, normalise
+from core_kv.teacher.utility import future_utility, normalise
 
 POLICIES = ("student", "teacher", "full")
 SELECTIONS = ("per_head", "shared")
@@ -305,7 +305,7 @@ def replay_layer(
                     # one pass over the attention gives the teacher's pool and, when that is not the mean, the
                     # mean-pooled mass that α is measured with
                     pools = tuple(dict.fromkeys((spec.utility_pool, "mean")))
-                    u = future_utilities(
+                    u = future_utility(
                         qf, acts.k_post[:, : int(fpos.max()) + 1], fpos, t_e, acts.scaling, fw, pools=pools
                     )
                     pi_u = normalise(u[spec.utility_pool].gather(1, cand).double())  # (Hkv, N)

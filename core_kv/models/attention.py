@@ -223,39 +223,35 @@ def _split_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Te
     return module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
 
 
+def _heads(module: nn.Module, x: torch.Tensor, norm: str | None = None) -> torch.Tensor:
+    """``(B, T, n·D)`` -> ``(B, n, T, D)``, the family's ``norm`` (``q_norm`` / ``k_norm``) applied where it has one."""
+    b, t, _ = x.shape
+    x = x.view(b, t, -1, module.head_dim)
+    if norm is not None and family(module).qk_norm:
+        x = getattr(module, norm)(x)
+    return x.transpose(1, 2)
+
+
 def prerope_queries(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Queries before RoPE (after q_norm for Qwen3 and Gemma 3), ``(B, H, T, D)``."""
-    b, t, _ = hidden_states.shape
-    q = _split_qkv(module, hidden_states)[0].view(b, t, -1, module.head_dim)
-    if family(module).qk_norm:
-        q = module.q_norm(q)
-    return q.transpose(1, 2)
+    return _heads(module, _split_qkv(module, hidden_states)[0], "q_norm")
 
 
 def prerope_queries_from_projection(module: nn.Module, projected: torch.Tensor) -> torch.Tensor:
     """Queries before RoPE ``(B, H, T, D)`` from the output of ``module``'s query projection (``q_proj``, or the fused
     ``qkv_proj`` whose first ``H·D`` columns are the queries), q_norm applied where the model applies it: what a
     forward hook on the projection sees, without a second projection."""
-    b, t, _ = projected.shape
-    q = projected[..., : module.config.num_attention_heads * module.head_dim].view(b, t, -1, module.head_dim)
-    if family(module).qk_norm:
-        q = module.q_norm(q)
-    return q.transpose(1, 2)
+    return _heads(module, projected[..., : module.config.num_attention_heads * module.head_dim], "q_norm")
 
 
 def prerope_keys(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Keys before RoPE (after k_norm for Qwen3 and Gemma 3), ``(B, Hkv, T, D)``."""
-    b, t, _ = hidden_states.shape
-    k = _split_qkv(module, hidden_states)[1].view(b, t, -1, module.head_dim)
-    if family(module).qk_norm:
-        k = module.k_norm(k)
-    return k.transpose(1, 2)
+    return _heads(module, _split_qkv(module, hidden_states)[1], "k_norm")
 
 
 def prerope_values(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Values, ``(B, Hkv, T, D)``."""
-    b, t, _ = hidden_states.shape
-    return _split_qkv(module, hidden_states)[2].view(b, t, -1, module.head_dim).transpose(1, 2)
+    return _heads(module, _split_qkv(module, hidden_states)[2])
 
 
 def apply_rope(

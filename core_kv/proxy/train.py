@@ -217,26 +217,21 @@ class ProxyTrainConfig:
 
 # ---- tokenizer and model ---------------------------------------------------------------------------------------
 def build_model(cfg: ProxyModelConfig, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-init Llama of ``cfg``'s shape (every field is a ``LlamaConfig`` field), its vocabulary the tokenizer's
+    rounded up to a multiple of 64, drawn from the RNG as it stands."""
+    from dataclasses import asdict
 
-    vocab = 64 * math.ceil(len(tokenizer) / 64)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        intermediate_size=cfg.intermediate_size,
-        rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
+    from core_kv.models.tiny import tiny_lm
+
+    return tiny_lm(
+        seed=None,
+        attn_implementation="sdpa",
+        vocab_size=64 * math.ceil(len(tokenizer) / 64),
+        **asdict(cfg),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
-    return model
 
 
 # ---- loss ------------------------------------------------------------------------------------------------------

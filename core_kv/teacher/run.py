@@ -170,7 +170,7 @@ def process_layer(
                                  torch.full((len(qa),), w_qa / max(len(qa), 1))])  # fmt: skip
             qf = q_post[:, fpos].view(hkv, g, len(fpos), d)
             kv = k_post[:, : int(fpos.max()) + 1]
-            u = future_utility(qf, kv, fpos, t_e, scaling, weights, pool=cfg.utility_pool)
+            u = future_utility(qf, kv, fpos, t_e, scaling, weights, pools=(cfg.utility_pool,))[cfg.utility_pool]
             pi_u = normalise(u.double())  # (Hkv, N)
         with timer("features"):
             wpos = torch.arange(max(0, t_e - OBS_WINDOW), t_e, device=device)

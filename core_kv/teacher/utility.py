@@ -24,9 +24,10 @@ def future_utility(
     scaling: float,
     query_weights: torch.Tensor | None = None,
     block: int = 256,
-    pool: str = "mean",
-) -> torch.Tensor:
-    """Mean (or max-pooled) full-cache attention mass the future queries put on each candidate.
+    pools: tuple[str, ...] = ("mean",),
+) -> dict[str, torch.Tensor]:
+    """Mean (or max-pooled) full-cache attention mass the future queries put on each candidate, under each of
+    ``pools`` from one pass over the attention.
 
     Args:
         queries: Post-RoPE future queries (Hkv, G, T_q, D).
@@ -36,27 +37,14 @@ def future_utility(
         scaling: The attention score scale (``module.scaling``).
         query_weights: Weights of the queries (T_q,), summing to 1; uniform by default.
         block: Queries per block (bounds memory at Hkv·G·block·K floats).
-        pool: ``mean``: ``u_i = Σ_τ w_τ ā_τi`` (ā: mean over the G heads). ``max``: the queries of equal weight form a
-            group (the next chunk, the QA tail) and ``u_i = Σ_c W_c max_{τ∈c} ā_τi`` with ``W_c`` the group's total
-            weight: a candidate is worth what its most demanding future query needs (a deviation; docs/method.md).
+        pools: The poolings to return. ``mean``: ``u_i = Σ_τ w_τ ā_τi`` (ā: mean over the G heads). ``max``: the
+            queries of equal weight form a group (the next chunk, the QA tail) and ``u_i = Σ_c W_c max_{τ∈c} ā_τi``
+            with ``W_c`` the group's total weight: a candidate is worth what its most demanding future query needs
+            (a deviation; docs/method.md).
 
     Returns:
-        ``u`` (Hkv, N): the pooled attention on each candidate (not normalised).
+        ``{pool: u}``, ``u`` (Hkv, N) the pooled attention on each candidate (not normalised).
     """
-    return future_utilities(queries, keys, query_pos, num_candidates, scaling, query_weights, block, (pool,))[pool]
-
-
-def future_utilities(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_pos: torch.Tensor,
-    num_candidates: int,
-    scaling: float,
-    query_weights: torch.Tensor | None = None,
-    block: int = 256,
-    pools: tuple[str, ...] = ("mean",),
-) -> dict[str, torch.Tensor]:
-    """:func:`future_utility` under each of ``pools`` (arguments as there), from one pass over the attention."""
     if not pools or any(p not in POOLS for p in pools):
         raise ValueError(f"utility pool must be one of {POOLS}, got {pools!r}")
     h, g, tq, d = queries.shape

@@ -147,8 +147,8 @@ def qk_statistics(
         keys: Post-RoPE candidate keys (Hkv, N, D) at ``key_pos`` (N,).
         scaling: The attention score scale (``module.scaling``).
         block: Queries per block (128 in the release).
-        with_utility: Also return ``u_i = max_{t visible, m} TopMean_heads(q·k · scaling)`` (the raw-logit utility
-            of :func:`research.released.teacher.attention_utility`), computed from the same logits.
+        with_utility: Also return the DRIVE teacher's raw-logit utility ``u_i = max_{t visible, m}
+            TopMean_heads(q·k · scaling)`` (``−inf`` for a candidate no query sees), computed from the same logits.
 
     Returns:
         ``(features (N, 6) float32, utility (N,) or None)``.

@@ -6,7 +6,8 @@ defaults; our own implementation of that specification.
 **Utility.** Over every query ``t`` of the event (all prefill queries, or the last decode interval), the raw attention
 logit ``a(t, h, i) = q_t^h · k_i · scaling`` is pooled over the query heads of each KV group ``m`` by TopMean (the mean
 of the ``min(4, G)`` largest), and ``u_i = max_{t visible, m} TopMean_h a(t, h, i)``: a candidate is worth the strongest
-logit any query of the event gives it.
+logit any query of the event gives it. It is computed from the logits the features already stream
+(:func:`research.released.features.qk_statistics` with ``with_utility=True``).
 
 **DRIVE fixed point.** With the projected keys ``z_i`` of :class:`~research.released.geometry.KeyGeometry` centred once,
 ``x̄_i = z_i − mean_j z_j``, starting from uniform ``w``::
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from core_kv.config import check_on_init, option
-from research.released.features import QUERY_BLOCK, TOP_HEADS
 
 
 @dataclass
@@ -50,43 +50,6 @@ class DriveConfig:
 
     def __post_init__(self) -> None:
         check_on_init(self)
-
-
-@torch.no_grad()
-def attention_utility(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    query_pos: torch.Tensor,
-    key_pos: torch.Tensor,
-    scaling: float,
-    block: int = QUERY_BLOCK,
-) -> torch.Tensor:
-    """``u_i = max_{t visible, m} TopMean_{h∈m} q_t^h·k_i·scaling`` over query blocks, (N,) float32.
-
-    Args:
-        queries: Post-RoPE queries (H, T, D) at ``query_pos`` (T,).
-        keys: Post-RoPE candidate keys (Hkv, N, D) at ``key_pos`` (N,).
-        scaling: The attention score scale.
-        block: Queries per block.
-
-    A candidate no query can see gets ``−inf``. :func:`research.released.features.qk_statistics` (``with_utility=True``)
-    returns the same numbers from the logits it computes anyway; this function is the teacher's own definition.
-    """
-    h, t_len, d = queries.shape
-    hkv, n, _ = keys.shape
-    g = h // hkv
-    kf = keys.float().mT
-    q = queries.float().view(hkv, g, t_len, d)
-    kpos, qpos = key_pos.to(keys.device), query_pos.to(keys.device)
-    u = torch.full((n,), float("-inf"), device=keys.device)
-    for s in range(0, t_len, block):
-        e = min(t_len, s + block)
-        logits = (q[:, :, s:e].reshape(hkv, g * (e - s), d) @ kf).view(hkv, g, e - s, n) * scaling
-        k = min(TOP_HEADS, g)
-        pooled = logits.mean(1) if k >= g else logits.topk(k, dim=1).values.mean(1)  # (Hkv, b, N)
-        visible = kpos[None, :] <= qpos[s:e, None]
-        u = torch.maximum(u, pooled.masked_fill(~visible, float("-inf")).amax((0, 1)))
-    return u
 
 
 @torch.no_grad()
@@ -125,4 +88,4 @@ def drive_teacher(z: torch.Tensor, utility: torch.Tensor, cfg: DriveConfig | Non
     return teacher_distribution(drive_weights(z, utility, cfg), cfg.temperature)
 
 
-__all__ = ["DriveConfig", "attention_utility", "drive_teacher", "drive_weights", "teacher_distribution"]
+__all__ = ["DriveConfig", "drive_teacher", "drive_weights", "teacher_distribution"]

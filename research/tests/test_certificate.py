@@ -7,20 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core_kv.core_model import CoreConfig, CoreModel
-from core_kv.distill.replay import capture
-from core_kv.models.fingerprint import model_fingerprint
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses import build_press
-from core_kv.teacher.geometry import fit_geometry
 from research.certificate import CertifiedCorePress, certificate_terms
-from tests.helpers import logits_after, tiny_model
-
-N = 200
-
-
-def ids(n: int = N, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+from tests.helpers import N, fit_tiny_artifact, ids, logits_after, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +20,7 @@ def llama():
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory, llama):
-    acts = capture(llama, ids(300, seed=9))
-    geo = fit_geometry([a.k_pre for a in acts], model_fingerprint(llama), d_z=16, num_prototypes=16)
-    torch.manual_seed(0)
-    core = CoreModel(CoreConfig.for_model(llama, geo))
-    core.set_geometry(geo)
+    core = fit_tiny_artifact(llama, seed=0)
     core.indexer.temperature.fill_(1.5)
     out = tmp_path_factory.mktemp("core") / "final"
     core.save_pretrained(out)

@@ -1,8 +1,11 @@
-"""Shared helpers of the released recipe's tests: a tiny train config and the train.py entry point."""
+"""Shared helpers of the released recipe's tests: a tiny train config (the tiny teacher of ``tests.helpers``) and
+the train.py entry point."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from tests.helpers import TINY_TEACHER, run  # noqa: F401  (run: train.py's main, re-exported for the tests here)
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "research" / "released" / "configs"
@@ -13,14 +16,7 @@ def tiny_args(out: Path, *extra: str) -> list[str]:
         f"out_dir={out}",
         "plugins=[research.released]",
         "recipe=released",
-        "teacher.model.random_init=true",
-        "teacher.model.path=''",
-        "teacher.model.hidden_size=64",
-        "teacher.model.num_layers=2",
-        "teacher.model.num_heads=4",
-        "teacher.model.num_kv_heads=2",
-        "teacher.model.intermediate_size=128",
-        "teacher.data.source=random",
+        *TINY_TEACHER,
         "train_docs=4",
         "eval_docs=1",
         "eval_ratios=[0.75]",
@@ -39,9 +35,3 @@ def tiny_args(out: Path, *extra: str) -> list[str]:
         "progress=false",
         *extra,
     ]
-
-
-def run(args: list[str]) -> dict:
-    import train
-
-    return train.main(args)

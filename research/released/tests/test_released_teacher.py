@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from research.released.features import qk_statistics
-from research.released.teacher import DriveConfig, attention_utility, drive_teacher, drive_weights, teacher_distribution
+from research.released.teacher import DriveConfig, drive_teacher, drive_weights, teacher_distribution
 
 
 def direct_drive(z, u, beta, alpha, tau, steps):
@@ -65,20 +65,20 @@ def test_teacher_temperature_and_zero_weights():
     assert abs(float(pi.sum()) - 1) < 1e-12
 
 
-def test_utility_equals_a_naive_max_and_the_streamed_features_utility():
+def test_streamed_utility_equals_a_naive_max():
     gen = torch.Generator().manual_seed(1)
     h, hkv, t, d = 6, 2, 30, 8
     q, k = torch.randn(h, t, d, generator=gen), torch.randn(hkv, t, d, generator=gen)
     pos = torch.arange(t)
-    u = attention_utility(q, k, pos, pos, 0.3, block=7)
+    u = qk_statistics(q, k, pos, pos, 0.3, block=7, with_utility=True)[1]
     logits = torch.einsum("mgtd,mnd->tmgn", q.view(hkv, 3, t, d), k) * 0.3  # (T, Hkv, G, N), G = 3 <= 4: mean
     pooled = logits.mean(2)
     naive = torch.stack([pooled[i:, :, i].max() for i in range(t)])  # query t sees candidate i iff t >= i
     torch.testing.assert_close(u, naive)
-    torch.testing.assert_close(qk_statistics(q, k, pos, pos, 0.3, with_utility=True)[1], naive)
+    torch.testing.assert_close(qk_statistics(q, k, pos, pos, 0.3, with_utility=True)[1], naive)  # one block
     # G > 4: TopMean of the 4 largest heads
     q8 = torch.randn(16, t, d, generator=gen)
-    u8 = attention_utility(q8, k, pos, pos, 0.3)
+    u8 = qk_statistics(q8, k, pos, pos, 0.3, with_utility=True)[1]
     lg = torch.einsum("mgtd,mnd->tmgn", q8.view(hkv, 8, t, d), k) * 0.3
     top = lg.topk(4, dim=2).values.mean(2)
     torch.testing.assert_close(u8, torch.stack([top[i:, :, i].max() for i in range(t)]))
