@@ -16,7 +16,6 @@ Shapes: L layers, H query heads, Hkv KV heads, D head dim, F = 14 features, d_z 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from core_kv.features import FEATURE_SPECS, spec, spec_differences
+from core_kv.files import read_json_object
 from core_kv.geometry import Geometry
 from core_kv.indexer import CoreIndexer
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
@@ -34,28 +34,24 @@ from core_kv.policy import PAPER, InferencePolicy
 ARTIFACT_VERSION = 1
 
 
-class CoreConfig(PretrainedConfig):
-    """Geometry of the base model and the CORE settings an artifact was trained with.
+class ArtifactConfig(PretrainedConfig):
+    """What the config of every artifact kind holds; a kind subclasses it with its ``model_type``, its own settings
+    and its defaults (:class:`CoreConfig`; a plugin's, e.g. ``research.released.ReleasedConfig``).
 
     Args:
         num_layers, num_heads, num_kv_heads, head_dim: Base-model attention geometry.
-        d_z, num_prototypes: Stage-0 geometry sizes (paper: 64, 64).
-        memory_dim: P (512, paper Table 9).
-        write_rule: ``mass`` | ``equal_event`` | ``uniform_token`` (CORE.md stage 4).
+        d_z, num_prototypes: The key geometry's sizes.
+        memory_dim: P, the memory's size.
         protected_sinks, protected_recent: Tokens always kept at an event (inside B).
-        chunk_size: Prefill chunk the indexer was trained on.
+        chunk_size: The chunk (or sequence) length the artifact was trained on.
         fingerprint: :func:`~core_kv.models.fingerprint.model_fingerprint` of the base model.
-        feature_spec: :func:`core_kv.features.spec` at training time.
-        teacher: The teacher's parameters (λ, R0, …) from its manifest.
+        feature_spec: The feature spec at training time.
+        teacher: The teacher's settings.
         inference_policy: The composition to run per compression-ratio band, chosen by ``train.py``'s policy stage
-            on its own validation prompts (:class:`~core_kv.policy.InferencePolicy` as a dict); ``None``: the paper's
-            press.
-        trained_selection: The retained sets the indexer and the memory were trained under (``train.py``'s
-            ``selection``): ``per_head`` (every artifact before the option) or ``shared`` (one set per layer shared by
-            the KV heads, what ``head_shared`` serves).
+            (:class:`~core_kv.policy.InferencePolicy` as a dict); ``None``: the kind's default press.
+        artifact_version: :data:`ARTIFACT_VERSION` when written.
     """
 
-    model_type = "core_kv"
     # the integer settings check_artifact refuses by name when missing or below their floor (protected_*: 0, else 1)
     sizes = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_z", "num_prototypes", "memory_dim",
              "chunk_size", "protected_sinks", "protected_recent")  # fmt: skip
@@ -69,7 +65,6 @@ class CoreConfig(PretrainedConfig):
         d_z: int = 16,
         num_prototypes: int = 64,
         memory_dim: int = MEMORY_DIM,
-        write_rule: str = "mass",
         protected_sinks: int = 4,
         protected_recent: int = 32,
         chunk_size: int = 512,
@@ -78,28 +73,57 @@ class CoreConfig(PretrainedConfig):
         teacher: dict | None = None,
         inference_policy: dict | None = None,
         artifact_version: int = ARTIFACT_VERSION,
-        trained_selection: str = "per_head",
         **kwargs,
     ):
-        if write_rule not in WRITE_RULES:
-            raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {write_rule!r}")
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = (
             num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
         )
-        self.d_z, self.num_prototypes, self.memory_dim, self.write_rule = d_z, num_prototypes, memory_dim, write_rule
+        self.d_z, self.num_prototypes, self.memory_dim = d_z, num_prototypes, memory_dim
         self.protected_sinks, self.protected_recent, self.chunk_size = protected_sinks, protected_recent, chunk_size
         self.fingerprint = fingerprint or {}
-        self.feature_spec = feature_spec or spec()
+        self.feature_spec = feature_spec or {}
         self.teacher = teacher or {}
         self.inference_policy = inference_policy
         self.artifact_version = artifact_version
+        super().__init__(**kwargs)
+
+
+class CoreConfig(ArtifactConfig):
+    """Geometry of the base model and the CORE settings an artifact was trained with (the shared fields:
+    :class:`ArtifactConfig`).
+
+    Args:
+        d_z, num_prototypes: Stage-0 geometry sizes (paper: 64, 64); memory_dim: P (512, paper Table 9);
+            chunk_size: the prefill chunk the indexer was trained on; teacher: the teacher's parameters (λ, R0, …)
+            from its manifest.
+        write_rule: ``mass`` | ``equal_event`` | ``uniform_token`` (CORE.md stage 4).
+        feature_spec: :func:`core_kv.features.spec` at training time (the default).
+        inference_policy: ``None``: the paper's press.
+        trained_selection: The retained sets the indexer and the memory were trained under (``train.py``'s
+            ``selection``): ``per_head`` (every artifact before the option) or ``shared`` (one set per layer shared by
+            the KV heads, what ``head_shared`` serves).
+        **kwargs: :class:`ArtifactConfig`'s fields.
+    """
+
+    model_type = "core_kv"
+
+    def __init__(
+        self,
+        write_rule: str = "mass",
+        feature_spec: dict | None = None,
+        trained_selection: str = "per_head",
+        **kwargs,
+    ):
+        if write_rule not in WRITE_RULES:
+            raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {write_rule!r}")
         if trained_selection not in ("per_head", "shared"):
             raise ValueError(f"trained_selection must be 'per_head' or 'shared', got {trained_selection!r}")
+        self.write_rule = write_rule
         self.trained_selection = trained_selection
-        super().__init__(**kwargs)
+        super().__init__(feature_spec=feature_spec or spec(), **kwargs)
 
     @classmethod
     def for_model(cls, model: nn.Module, geometry: Geometry, **kwargs) -> CoreConfig:
@@ -273,13 +297,7 @@ def _stored_config(path: Path) -> dict:
         raise ValueError(
             f"{path} is not a CORE artifact folder: no config.json (expected config.json + model.safetensors)"
         )
-    try:
-        stored = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{cfg_file}: unreadable CORE config ({e})") from None
-    if not isinstance(stored, dict):
-        raise ValueError(f"{cfg_file}: not a CORE config (a JSON object), got a {type(stored).__name__}")
-    return stored
+    return read_json_object(cfg_file, "CORE config")
 
 
 def artifact_config(path) -> PretrainedConfig:

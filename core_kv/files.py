@@ -95,6 +95,18 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
         raise ValueError(f"{path}: unreadable {what} ({type(e).__name__}: {e})") from None
 
 
+def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] = ValueError) -> dict:
+    """:func:`read_json` of a file that must hold a JSON object (a config); unreadable or not an object, it raises
+    ``error`` naming the file and ``what`` it should be."""
+    try:
+        stored = read_json(path, what)
+    except ValueError as e:
+        raise error(str(e)) from None
+    if not isinstance(stored, dict):
+        raise error(f"{path}: not a {what} (a JSON object), got a {type(stored).__name__}")
+    return stored
+
+
 LOW_SPACE = 64 * 2**20  # bytes: below this, a failed write is taken as a full disk
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from core_kv.config import ConfigError, option
+from core_kv.files import read_json_object
 from core_kv.models.packaged import PACKAGED, is_packaged, resolve_model_path
 from core_kv.models.tiny import tiny_lm
 
@@ -135,29 +136,17 @@ def tiny_tokenizer():
     return tok
 
 
-def tiny_model(
-    tokenizer=None,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    max_position_embeddings: int = 8192,
-    seed: int = 0,
-    attn_implementation: str = "sdpa",
-) -> nn.Module:
-    """A random Llama (GQA) built from config; weights depend only on ``seed``."""
+def tiny_model(tokenizer=None, attn_implementation: str = "sdpa") -> nn.Module:
+    """The random Llama that ``load_model("tiny")`` loads: :data:`core_kv.models.tiny.TINY`'s shape (GQA 4:2) with
+    ``tokenizer``'s vocabulary and special ids, 8192 positions and tied embeddings; its weights are those of seed 0
+    and the caller's RNG is left as it was."""
     tokenizer = tokenizer or tiny_tokenizer()
-    with torch.random.fork_rng(devices=[]):  # the caller's RNG is left as it was
+    with torch.random.fork_rng(devices=[]):
         return tiny_lm(
-            seed=seed,
+            seed=0,
             attn_implementation=attn_implementation,
             vocab_size=len(tokenizer),
-            hidden_size=hidden_size,
-            intermediate_size=hidden_size * 2,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            max_position_embeddings=max_position_embeddings,
+            max_position_embeddings=8192,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
@@ -378,12 +367,7 @@ def check_model_folder(path: Path) -> None:
             f"cannot load model {str(path)!r}: the folder exists but is not a complete Hugging Face model folder "
             "(no config.json); save it with model.save_pretrained() and tokenizer.save_pretrained()"
         )
-    try:
-        stored = json.loads(config.read_text(encoding="utf-8"))
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise OSError(f"{config}: unreadable model config ({e})") from None
-    if not isinstance(stored, dict):
-        raise OSError(f"{config}: not a model config (a JSON object), got a {type(stored).__name__}")
+    stored = read_json_object(config, "model config", OSError)
     model_type = stored.get("model_type")
     if model_type == "core_kv":
         raise OSError(

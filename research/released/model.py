@@ -13,9 +13,8 @@ Shapes: L layers, H query heads, Hkv KV heads, D head dim, d_z projected key dim
 from __future__ import annotations
 
 import torch
-from transformers import PretrainedConfig
 
-from core_kv.core_model import ARTIFACT_VERSION, ArtifactModel, register_artifact
+from core_kv.core_model import ArtifactConfig, ArtifactModel, register_artifact
 from core_kv.indexer import CoreIndexer
 from core_kv.policy import InferencePolicy, PolicyOptions
 from research.released.features import SPEC, compute_features_v3, spec_problem, special_mask
@@ -26,18 +25,16 @@ PLUGIN = "research.released"
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class ReleasedConfig(PretrainedConfig):
-    """Geometry of the base model and the settings a released-recipe artifact was trained with.
+class ReleasedConfig(ArtifactConfig):
+    """Geometry of the base model and the settings a released-recipe artifact was trained with (the shared fields:
+    :class:`core_kv.core_model.ArtifactConfig`).
 
     Args:
-        num_layers, num_heads, num_kv_heads, head_dim: Base-model attention geometry.
-        d_z, num_prototypes: The fixed key geometry's sizes (64, 64).
-        memory_dim: P of the fast memory (512).
-        protected_sinks, protected_recent: Tokens always kept at an event (inside B).
-        chunk_size: The longest training sequence.
-        fingerprint: :func:`~core_kv.geometry.model_fingerprint` of the base model.
-        feature_spec: :data:`research.released.features.SPEC` at training time.
-        teacher: The recipe's teacher settings (DRIVE constants, sinks, budgets).
+        d_z, num_prototypes: The fixed key geometry's sizes (64, 64); memory_dim: P of the fast memory (512);
+            chunk_size: the longest training sequence; teacher: the recipe's teacher settings (DRIVE constants,
+            sinks, budgets).
+        protected_recent: Recent tokens always kept at an event (none by default).
+        feature_spec: :data:`research.released.features.SPEC` at training time (the default).
         inference_policy: The composition per compression-ratio band (memory on, off or in some layers), chosen by
             ``train.py``'s policy stage; ``None``: the scorer with the memory in every layer.
         memory_gate_hidden, memory_decay: The fast memory's gate width and decay γ across events.
@@ -51,26 +48,15 @@ class ReleasedConfig(PretrainedConfig):
     """
 
     model_type = "core_kv_released"
-    sizes = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_z", "num_prototypes", "memory_dim",
-             "chunk_size", "protected_sinks", "protected_recent")  # fmt: skip
 
     def __init__(
         self,
-        num_layers: int = 2,
-        num_heads: int = 4,
-        num_kv_heads: int = 2,
-        head_dim: int = 16,
         d_z: int = D_Z,
         num_prototypes: int = NUM_PROTOTYPES,
         memory_dim: int = MEMORY_DIM,
-        protected_sinks: int = 4,
         protected_recent: int = 0,
         chunk_size: int = 4096,
-        fingerprint: dict | None = None,
         feature_spec: dict | None = None,
-        teacher: dict | None = None,
-        inference_policy: dict | None = None,
-        artifact_version: int = ARTIFACT_VERSION,
         memory_gate_hidden: int = GATE_HIDDEN,
         memory_decay: float = DECAY,
         memory_readout: str = "residual",
@@ -85,19 +71,7 @@ class ReleasedConfig(PretrainedConfig):
                                      READOUTS), ("memory_dtype", memory_dtype, tuple(STORAGE_DTYPES))):  # fmt: skip
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = (
-            num_layers,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-        )
-        self.d_z, self.num_prototypes, self.memory_dim = d_z, num_prototypes, memory_dim
-        self.protected_sinks, self.protected_recent, self.chunk_size = protected_sinks, protected_recent, chunk_size
-        self.fingerprint = fingerprint or {}
-        self.feature_spec = feature_spec or dict(SPEC)
-        self.teacher = teacher or {}
-        self.inference_policy = inference_policy
-        self.artifact_version = artifact_version
+        feature_spec = feature_spec or dict(SPEC)
         self.memory_gate_hidden, self.memory_decay = memory_gate_hidden, memory_decay
         self.memory_readout, self.memory_kernel, self.memory_dtype = memory_readout, memory_kernel, memory_dtype
         self.special_token_ids = list(special_token_ids or [])
@@ -105,11 +79,12 @@ class ReleasedConfig(PretrainedConfig):
         self.memory_trained = bool(memory_trained)
         self.plugin = PLUGIN  # the module that defines this kind (named when it is loaded without it)
         kwargs.pop("plugin", None)
-        unknown = sorted(set(self.ablated_features) - set(self.feature_spec.get("names") or []))
+        unknown = sorted(set(self.ablated_features) - set(feature_spec.get("names") or []))
         if unknown:
             raise ValueError(f"ablated_features {unknown} are not in the feature spec's names "
-                             f"{list(self.feature_spec.get('names') or [])}")  # fmt: skip
-        super().__init__(**kwargs)
+                             f"{list(feature_spec.get('names') or [])}")  # fmt: skip
+        super().__init__(d_z=d_z, num_prototypes=num_prototypes, memory_dim=memory_dim, protected_recent=protected_recent,
+                         chunk_size=chunk_size, feature_spec=feature_spec, **kwargs)  # fmt: skip
 
 
 class ReleasedIndexer(CoreIndexer):
