@@ -1,19 +1,11 @@
 """Does a model (and a press) retrieve a needle beyond RULER's exact wording? Full cache vs presses, own prompts.
 
-One needle sentence in a haystack of RULER's noise lines or of essay text, placed at a random depth, then a question
-on top of the (compressed) context, greedy decoding; a prompt counts as answered when the value's digits appear in
-the answer. Four wordings: RULER's own (``ruler``) and three rewordings that share none of its template words:
+The prompts are :mod:`core_kv.eval.needles`' (its docstring tabulates the four wordings: RULER's own and three
+rewordings that share none of its template words): one needle at a random depth of a haystack of RULER's noise lines
+or of essay text, keys and values drawn with ``--seed`` (never 42, disjoint from RULER's evaluation draws), then a
+question on top of the (compressed) context and a greedy answer; a prompt counts as answered when the value's digits
+appear in the answer. Every method sees identical token ids.
 
-| wording  | needle                                                      | question                                   |
-|----------|-------------------------------------------------------------|--------------------------------------------|
-| ruler    | One of the special magic numbers for {key} is: {value}.     | What is the special magic number for {key} mentioned in the provided text? |
-| secret   | Remember this: the secret code of {key} is {value}.         | What is the secret code of {key}?          |
-| password | The password for the {key} vault is {value}.                | What is the password for the {key} vault?  |
-| locker   | Note: the locker number assigned to {key} is {value}.       | Which locker number was assigned to {key}? |
-
-Keys are adjective-noun pairs (``amber-falcon``), values 7-digit numbers, both drawn with ``--seed`` (never 42, so the
-prompts are disjoint from RULER's evaluation draws). The question carries no answer prefix, except for ``ruler``
-(RULER's own). Prompts are built with the model's tokenizer as counter so every method sees identical token ids.
 Usage::
 
     .venv/bin/python benchmarks/needle_wording.py --model smollm2-135m --lengths 2048 --n 10

@@ -332,29 +332,25 @@ def test_corrupt_artifact_tensors_are_refused_at_load(tiny_artifact, tmp_path):
     artifact loads, naming the file and the tensor."""
     from safetensors.torch import load_file, save_file
 
-    core, src = tiny_artifact
-    for name, edit in [("nan", lambda t: t.fill_(float("nan"))), ("inf", lambda t: t.fill_(float("inf")))]:
+    core, _ = tiny_artifact
+
+    def damaged(name: str, edit):
+        """The artifact saved to ``tmp_path / name`` with ``edit(tensors)`` applied to its weights file."""
         path = tmp_path / name
         core.save_pretrained(path)
         tensors = load_file(str(path / "model.safetensors"))
-        edit(tensors["memory.w_phi"])
+        edit(tensors)
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
+
+    for name, value in [("nan", float("nan")), ("inf", float("inf"))]:
+        path = damaged(name, lambda t, v=value: t["memory.w_phi"].fill_(v))
         with pytest.raises(ValueError, match=r"model\.safetensors.*memory\.w_phi.*(NaN|Inf)"):
             CoreModel.from_pretrained(path)
-    path = tmp_path / "shape"
-    core.save_pretrained(path)
-    tensors = load_file(str(path / "model.safetensors"))
-    tensors["indexer.temperature"] = torch.ones(5)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.safetensors.*indexer\.temperature"):
-        CoreModel.from_pretrained(path)
-    path = tmp_path / "missing"
-    core.save_pretrained(path)
-    tensors = load_file(str(path / "model.safetensors"))
-    del tensors["geo_proj"]
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        CoreModel.from_pretrained(damaged("shape", lambda t: t.__setitem__("indexer.temperature", torch.ones(5))))
     with pytest.raises(ValueError, match=r"model\.safetensors.*geo_proj"):
-        CoreModel.from_pretrained(path)
+        CoreModel.from_pretrained(damaged("missing", lambda t: t.pop("geo_proj")))
 
 
 def test_artifacts_with_other_feature_constants_are_refused_at_load(tiny_artifact, tmp_path):
