@@ -1,25 +1,35 @@
-"""Issue 48's cost targets, measured side by side in one run: prefill, decode and bytes per press and configuration.
+"""The cost of what ships (issue 61): an artifact's own inference policy at each of its ratio bands, side by side with
+no compression and SnapKV, on the artifact's model or on config-built Llama-3.1-8B-shaped layers.
 
-Every press of :data:`PRESSES` (no compression, SnapKV, ExpectedAttention, AdaKV, TwinKV, CORE's default and its
-recommended configurations, each head-wise press beside its uniform counterpart) runs on the same context in one
-process, ``--repeats`` rounds with the press order rotating (``benchmarks/core_cost.py``'s :func:`measure`: median
-CPU seconds of a one-shot prefill and of a decode token — an 8-token question then 32 greedy tokens — one thread).
-Printed per context length: prefill and decode as ratios to no compression, decode to SnapKV and to the press's
-uniform counterpart, the KV bytes held (a ragged cache's free room included) and the kept entries, the auxiliary
-state (CORE's memory) as a share of the KV; then the targets, each met or missed:
+For every band of the artifact's recorded policy (its validation ratio: 50 / 75 / 90% for the shipped artifacts;
+``--ratios`` to choose) the press is exactly what a user builds, ``build_press("core", checkpoint=...,
+compression_ratio=r)``, named by the composition its repr shows (e.g. ``shared, memory off``); nothing is hand-listed.
+SnapKV at the same ratio (the same budget) is the decode baseline. Every press runs on the same context in one
+process, ``--repeats`` rounds with the press order rotating after a short priming round
+(``benchmarks/core_cost.py``'s :func:`~benchmarks.core_cost.measure`: median CPU seconds of a one-shot prefill and of
+a decode token — an 8-token question then 32 greedy tokens — one thread). Printed per context length and band:
 
-- default CORE prefill ≤ 1.15× no compression at 2k, ≤ 1.10× at 4k and 8k;
-- default CORE decode ≤ 1.05× SnapKV;
-- every head-wise press decodes ≤ 1.05× its uniform counterpart;
-- default CORE's auxiliary state ≤ 25% of its kept KV at 2k;
-- with ``--shape llama-3.1-8b --layers N``: default CORE prefill ≤ 1.05× no compression.
+- prefill ÷ no compression (the time with the press over the time without it),
+- decode ms/token ÷ SnapKV's at the same budget,
+- the KV payload kept and the auxiliary state (``press.aux_bytes()`` after the prefill: what the press holds beside
+  the kept KV while it decodes, the definition eval reports and ``answer_questions`` use too), and its share of the KV;
 
-The last line is a one-line ratio summary to compare run to run. Usage::
+then the issue's targets, each met or missed: on the 8B shape prefill ≤ 1.10× no compression and decode ≤ 1.05×
+SnapKV at every length; on the artifact's model prefill ≤ 1.20× at 2k and 4k and decode ≤ 1.05× SnapKV. ``--markdown``
+writes the table ``docs/results.md`` §5 shows; ``--out`` the raw results (``benchmarks/cost_curve.py`` plots several
+against context length).
+
+``--shape llama-3.1-8b --layers N`` measures the first N decoder layers of Llama-3.1-8B built from its config with
+random weights (hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336; :data:`benchmarks.core_cost.SHAPES`)
+instead of ``--model``: the artifact's components cannot run on another model's keys, so an untrained artifact is
+fitted to those layers (:func:`~benchmarks.core_cost.build_artifact`: geometry on their keys, default MLPs) with the
+checkpoint's feature spec, protected positions and inference policy — the same shapes, features and composition per
+band, which is what the cost depends on. Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cost_targets --model smollm2-135m \\
-        --checkpoint checkpoints/core-smollm2/final --lengths 2048 4096 8192
-    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cost_targets --shape llama-3.1-8b --layers 2 \\
-        --lengths 2048 4096 --only none snapkv core
+        --checkpoint checkpoints/core-smollm2/final --lengths 2048 4096 --threads 1
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.cost_targets --shape llama-3.1-8b --layers 1 \\
+        --checkpoint checkpoints/core-smollm2/final --lengths 4096 8192 16384 --threads 1
 """
 
 from __future__ import annotations
@@ -33,126 +43,137 @@ import torch
 
 from benchmarks.core_cost import add_model_args, bench_model, build_artifact, measure
 
-CORE_75 = {"head_budgets": "adaptive", "head_pool": "output", "memory": False}  # README's 75% recommendation
-CORE_90 = {"head_budgets": "adaptive", "repair": True, "memory": False}  # README's 90% recommendation
-PRESSES = {  # label -> (press name, options, uniform counterpart's label or None)
-    "none": (None, {}, None),
-    "snapkv": ("snapkv", {}, None),
-    "adakv_snapkv": ("adakv", {"press": "snapkv"}, "snapkv"),
-    "expected_attention": ("expected_attention", {"epsilon": 1e-2}, None),
-    "adakv_expected_attention": ("adakv_expected_attention", {}, "expected_attention"),
-    "twinkv_uniform": ("twinkv", {"capacity": "uniform"}, None),
-    "twinkv": ("twinkv", {}, "twinkv_uniform"),
-    "core": ("core", {}, None),  # the artifact's defaults: what build_press("core", checkpoint=..., ratio) does
-    "core_uniform_nomem": ("core", {"memory": False}, None),
-    "core_75": ("core", CORE_75, "core_uniform_nomem"),
-    "core_uniform_repair": ("core", {"repair": True, "memory": False}, None),
-    "core_90": ("core", CORE_90, "core_uniform_repair"),
-}
+SHAPE_TARGETS = {"prefill": 1.10, "decode": 1.05}  # config-built 8B layers, at every length
+MODEL_TARGETS = {"prefill": 1.20, "decode": 1.05}  # the artifact's model; the prefill bound at <= PREFILL_UPTO tokens
+PREFILL_UPTO = 4096
 
 
-def build(label: str, ratio: float, checkpoint: Path | None):
+def policy_ratios(checkpoint: Path) -> list[float]:
+    """The validation ratio of every band of the artifact's inference policy (the paper's press: 0.75 alone)."""
+    from core_kv.core_model import CoreModel
+
+    core = CoreModel.from_pretrained(checkpoint)
+    if core.config.inference_policy is None:
+        return [0.75]
+    return [b.validated_at for b in core.policy().bands]
+
+
+def shape_artifact(model, checkpoint: Path, folder: Path) -> Path:
+    """An untrained artifact fitted to ``model`` with ``checkpoint``'s feature spec, protected positions, write rule and
+    inference policy (what the cost depends on; the weights do not change it)."""
+    from core_kv.core_model import CoreModel
+
+    source = CoreModel.from_pretrained(checkpoint).config
+    path = build_artifact(model, folder, source.feature_spec["version"])
+    core = CoreModel.from_pretrained(path)
+    for name in ("protected_sinks", "protected_recent", "write_rule", "inference_policy"):
+        setattr(core.config, name, getattr(source, name))
+    core.save_pretrained(path)
+    return path
+
+
+def presses(checkpoint: Path, ratios: list[float]) -> dict:
+    """``{"none": None, "snapkv@r": SnapKV, "core@r": the artifact's policy at r}`` for every ratio."""
     from core_kv.presses import build_press
 
-    name, options, _ = PRESSES[label]
-    if name is None:
-        return None
-    if name == "core":
-        options = {"checkpoint": str(checkpoint), **options}
-    return build_press(name, compression_ratio=ratio, **options)
+    out: dict = {"none": None}
+    for r in ratios:
+        out[f"snapkv@{r:g}"] = build_press("snapkv", compression_ratio=r)
+        out[f"core@{r:g}"] = build_press("core", checkpoint=str(checkpoint), compression_ratio=r)
+    return out
 
 
-def table(results: dict) -> str:
-    rows = [
-        "| context | press | prefill s | prefill ÷ none | decode ms/token | decode ÷ none | decode ÷ SnapKV | "
-        "decode ÷ uniform | KV bytes held (kept) | aux ÷ kept KV |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for n, r in results.items():
-        for label, v in r.items():
-            uniform = PRESSES[label][2]
-            ratio_u = f"{v['decode'] / r[uniform]['decode']:.3f} ({uniform})" if uniform in r else ""
-            snap = f"{v['decode'] / r['snapkv']['decode']:.3f}" if "snapkv" in r else ""
-            kept = v.get("kv_payload", v["kv_bytes"])
-            rows.append(
-                f"| {n} | {label} | {v['prefill']:.2f} | {v['prefill'] / r['none']['prefill']:.3f} | "
-                f"{1e3 * v['decode']:.1f} | {v['decode'] / r['none']['decode']:.3f} | {snap} | {ratio_u} | "
-                f"{v['kv_bytes'] / 2**20:.1f} MiB ({kept / 2**20:.1f}) | {100 * v['aux_bytes'] / kept:.0f}% |"
-            )
-    return "\n".join(rows)
-
-
-def targets(results: dict, llama: bool) -> list[tuple[str, float, float, bool]]:
-    """``(what, measured, bound, met)`` for every target the run can check."""
+def rows(results: dict, compositions: dict) -> list[dict]:
+    """One row per (context, CORE band): the ratios and bytes of the table."""
     out = []
     for n, r in results.items():
-        n = int(n)
-        if "core" not in r:
-            continue
-        pre = r["core"]["prefill"] / r["none"]["prefill"]
-        bound = 1.05 if llama else (1.15 if n <= 2048 else 1.10)
-        out.append((f"default CORE prefill ÷ none at {n}", pre, bound, pre <= bound))
-        if llama:
-            continue
-        if "snapkv" in r:
-            dec = r["core"]["decode"] / r["snapkv"]["decode"]
-            out.append((f"default CORE decode ÷ SnapKV at {n}", dec, 1.05, dec <= 1.05))
-        if n == 2048:
-            kept = r["core"].get("kv_payload", r["core"]["kv_bytes"])
-            aux = r["core"]["aux_bytes"] / kept
-            out.append(("default CORE aux ÷ kept KV at 2048", aux, 0.25, aux <= 0.25))
-    if llama:
-        return out
-    for n, r in results.items():
-        for label, v in r.items():
-            uniform = PRESSES[label][2]
-            if uniform in r:
-                x = v["decode"] / r[uniform]["decode"]
-                out.append((f"{label} decode ÷ {uniform} at {n}", x, 1.05, x <= 1.05))
+        for label, composition in compositions.items():
+            ratio = label.split("@")[1]
+            core, snap, none = r[label], r[f"snapkv@{ratio}"], r["none"]
+            out.append({
+                "context": int(n), "ratio": float(ratio), "composition": composition,
+                "prefill_none_s": none["prefill"], "prefill_s": core["prefill"],
+                "prefill_ratio": core["prefill"] / none["prefill"],
+                "decode_ms": 1e3 * core["decode"], "decode_snapkv_ms": 1e3 * snap["decode"],
+                "decode_ratio": core["decode"] / snap["decode"],
+                "kv_payload": core["kv_payload"], "aux_bytes": core["aux_bytes"],
+            })  # fmt: skip
+    return out
+
+
+def table(table_rows: list[dict]) -> str:
+    lines = [
+        "| context | removed | composition | prefill s, none | prefill ÷ none | decode ms/token | decode ÷ SnapKV | "
+        "KV kept | aux | aux ÷ kept KV |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in table_rows:
+        lines.append(
+            f"| {x['context']} | {100 * x['ratio']:.0f}% | {x['composition']} | {x['prefill_none_s']:.2f} | "
+            f"{x['prefill_ratio']:.3f} | {x['decode_ms']:.1f} | {x['decode_ratio']:.3f} | "
+            f"{x['kv_payload'] / 2**20:.1f} MiB | {x['aux_bytes'] / 2**20:.2f} MiB | "
+            f"{100 * x['aux_bytes'] / x['kv_payload']:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def targets(table_rows: list[dict], shape: bool) -> list[tuple[str, float, float, bool]]:
+    """``(what, measured, bound, met)`` for every target the run can check."""
+    bounds = SHAPE_TARGETS if shape else MODEL_TARGETS
+    out = []
+    for x in table_rows:
+        where = f"{x['context']}, {100 * x['ratio']:.0f}% ({x['composition']})"
+        if shape or x["context"] <= PREFILL_UPTO:
+            out.append((f"prefill ÷ none at {where}", x["prefill_ratio"], bounds["prefill"],
+                        x["prefill_ratio"] <= bounds["prefill"]))  # fmt: skip
+        out.append((f"decode ÷ SnapKV at {where}", x["decode_ratio"], bounds["decode"],
+                    x["decode_ratio"] <= bounds["decode"]))  # fmt: skip
     return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    ap.add_argument("--ratio", type=float, default=0.75)
+    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="default: 2048 4096 (8B shape: 4k-16k)")
+    ap.add_argument("--ratios", type=float, nargs="+", default=None, help="default: the policy's band ratios")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    add_model_args(ap, feature_spec=2)
-    ap.add_argument("--only", nargs="+", choices=sorted(PRESSES), default=None, help="a subset of the presses")
+    add_model_args(ap)
+    ap.add_argument("--markdown", default=None, help="write the table (markdown) here")
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
+    if args.checkpoint is None:
+        ap.error("--checkpoint: the artifact whose policy is measured (e.g. checkpoints/core-smollm2/final)")
+    checkpoint = Path(args.checkpoint)
+    shape = args.model is None
+    lengths = args.lengths or ([4096, 8192, 16384] if shape else [2048, 4096])
+    ratios = args.ratios or policy_ratios(checkpoint)
     torch.set_num_threads(args.threads)
-    labels = [p for p in PRESSES if args.only is None or p in args.only]
-    if "none" not in labels:
-        ap.error("--only must keep 'none' (every ratio is to no compression)")
 
     model = bench_model(args.model, args.shape, args.layers)
-    llama = args.model is None and args.shape == "llama-3.1-8b"
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = None
-        if any(PRESSES[p][0] == "core" for p in labels):
-            ckpt = (
-                Path(args.checkpoint)
-                if args.checkpoint
-                else build_artifact(model, Path(tmp) / "core", args.feature_spec)
-            )
-        for n in args.lengths:
-            methods = {label: build(label, args.ratio, ckpt) for label in labels}
+        ckpt = shape_artifact(model, checkpoint, Path(tmp) / "core") if shape else checkpoint
+        methods = presses(ckpt, ratios)
+        compositions = {k: p.options.describe() for k, p in methods.items() if k.startswith("core@")}
+        for n in lengths:
             results[str(n)] = measure(model, methods, n, None, args.repeats)
             print(f"[cost_targets] {n}: {json.dumps(results[str(n)])}", flush=True)
-    print(f"\n{args.model or args.shape}{f' ({args.layers} layers)' if args.layers else ''}, ratio {args.ratio}, "
-          f"one-shot prefill, median of {args.repeats} rounds, {args.threads} thread(s)\n")  # fmt: skip
-    print(table(results))
-    checks = targets(results, llama)
+    table_rows = rows(results, compositions)
+    what = args.model or f"{args.shape} ({args.layers or 'all'} layers)"
+    head = (f"{what}, {checkpoint}'s policy, one-shot prefill, median of {args.repeats} rounds (press order rotating), "
+            f"CPU time of {args.threads} thread(s)")  # fmt: skip
+    print(f"\n{head}\n\n{table(table_rows)}")
+    checks = targets(table_rows, shape)
     print("\n| target | measured | bound | |\n|---|---|---|---|")
-    for what, x, bound, met in checks:
-        print(f"| {what} | {x:.3f} | {bound} | {'met' if met else 'MISSED'} |")
-    cells = [f"{what.replace(' ÷ ', '/')} {x:.2f}" for what, x, _, _ in checks]
-    print(f"[cost_targets] {sum(m for *_, m in checks)}/{len(checks)} targets met: " + "; ".join(cells))
+    for name, x, bound, met in checks:
+        print(f"| {name} | {x:.3f} | {bound} | {'met' if met else 'MISSED'} |")
+    print(f"[cost_targets] {sum(m for *_, m in checks)}/{len(checks)} targets met")
+    if args.markdown:
+        Path(args.markdown).write_text(f"{head}\n\n{table(table_rows)}\n", encoding="utf-8")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1), encoding="utf-8")
+        record = {"args": vars(args), "model": what, "compositions": compositions, "results": results,
+                  "rows": table_rows}  # fmt: skip
+        Path(args.out).write_text(json.dumps(record, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

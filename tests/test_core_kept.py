@@ -8,7 +8,7 @@ ragged layer). The proxy cases run the spec-v1 proxy artifact (head-wise budgets
 spec-v2 artifact (twin and KeyDiff features, head-shared selection at 75/90%, head-wise budgets and the memory at
 50%), one-shot and chunked. Recorded at commit 7cde7b2 with::
 
-    OMP_NUM_THREADS=1 .venv/bin/python tests/test_core_kept.py --write
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python tests/test_core_kept.py --write
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ observation window, F = 14 features.
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,7 +75,8 @@ class ScorerLayer:
         wq_pre, wpos: The observation window: pre-RoPE queries (H, w, D) of the last ``OBS_WINDOW`` positions and
             their positions (w,).
         next: 1 + the last position processed.
-        fwd: The current forward: its positions and whether it feeds the window.
+        fwd: The current forward: its positions.
+        frozen: No event can follow in this context (:meth:`freeze`): forwards are no longer tracked.
     """
 
     pos: torch.Tensor
@@ -86,6 +88,7 @@ class ScorerLayer:
     wq_pre: torch.Tensor | None = None
     next: int = 0
     fwd: dict | None = None
+    frozen: bool = False
 
     @classmethod
     def empty(cls, kv_heads: int, device) -> ScorerLayer:
@@ -119,6 +122,14 @@ class ScorerLayer:
             self.pos, self.persist = pos, persist
         self.lengths = self.lengths + t
         self.pending, self.n_pending = [], 0
+
+    def freeze(self) -> None:
+        """Free what only a later event would read — the observation window and the persistence — once none can
+        follow in this context (a one-shot prefill's event without ``decoding``, the end of a chunked prefill); the
+        retained positions stay, and later forwards are not tracked."""
+        self.materialize()
+        self.wq_pre, self.wpos = None, self.wpos.new_empty(0)
+        self.persist, self.frozen = self.persist.new_empty(self.persist.shape[0], 0), True
 
     def trim(self, lengths: torch.Tensor) -> None:
         """Forget entries beyond each head's cached ``lengths`` (the pipeline dropped question/answer tokens)."""
@@ -247,10 +258,21 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         if hs.shape[0] != 1:
             raise ValueError(f"{self.name} supports batch size 1 (the pipeline's protocol)")
         st = self._layers.get(idx)
+        # an event can follow this forward only on an empty cache (one-shot prefill), in a chunked prefill or with
+        # decode-time eviction; otherwise the layer's bookkeeping is freed (ScorerLayer.freeze), not maintained
+        event_ahead = self.decoding or self._mode == "prefill" or self._state[idx]["empty_before"]
         if st is None or self._state[idx]["empty_before"]:
             st = self._layers[idx] = ScorerLayer.empty(module.config.num_key_value_heads, hs.device)
             if idx == 0:  # a new context: the log describes the last context only (bounded over an eval run)
                 self.events.clear()
+        elif st.frozen or not event_ahead:
+            if event_ahead:
+                raise RuntimeError(f"{self.name}: layer {idx} released its bookkeeping after the context's last event "
+                                   "(no decoding=True); compress a continuation on a fresh cache or with decoding=True")  # fmt: skip
+            if not st.frozen:
+                st.freeze()
+            st.fwd = None
+            return
         else:
             cached = layer_lengths(cache.layers[idx]).to(st.lengths.device)
             if bool((st.lengths + st.n_pending > cached).any()):  # the pipeline trimmed question/answer tokens
@@ -258,21 +280,17 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
         t = hs.shape[1]
         pid = kwargs.get("position_ids")
         new_pos = pid[0].to(hs.device) if pid is not None else torch.arange(st.next, st.next + t, device=hs.device)
-        # the observation window only matters if an event can still happen in this context (an event needs an empty
-        # cache before, chunked prefill or decode-time eviction): otherwise it is dropped, not maintained
-        window = self.decoding or self._mode == "prefill" or self._state[idx]["empty_before"]
-        if not window:
-            st.wq_pre, st.wpos = None, st.wpos[:0]
-        st.fwd = {"pos": new_pos, "window": window}
+        st.fwd = {"pos": new_pos}  # an event can follow: the forward's queries join the window
 
     def after_forward(self, module: nn.Module, hs: torch.Tensor, cache, kwargs: dict) -> None:
         st = self._layers[module.layer_idx]
+        if st.frozen:
+            return
         fwd, st.fwd = st.fwd, None
-        if fwd["window"]:  # the forward's pre-RoPE queries join the window (the last OBS_WINDOW, across forwards)
-            q_pre = self.queries(module)  # (H, T, D)
-            wq_pre = q_pre if st.wq_pre is None else torch.cat([st.wq_pre, q_pre], 1)
-            wpos = torch.cat([st.wpos, fwd["pos"]])
-            st.wq_pre, st.wpos = wq_pre[:, -OBS_WINDOW:], wpos[-OBS_WINDOW:]  # post-RoPE recomputed at events
+        q_pre = self.queries(module)  # (H, T, D): the forward's pre-RoPE queries join the window (the last OBS_WINDOW)
+        wq_pre = q_pre if st.wq_pre is None else torch.cat([st.wq_pre, q_pre], 1)
+        wpos = torch.cat([st.wpos, fwd["pos"]])
+        st.wq_pre, st.wpos = wq_pre[:, -OBS_WINDOW:], wpos[-OBS_WINDOW:]  # post-RoPE recomputed at events
         st.pending.append(fwd["pos"])
         st.n_pending += hs.shape[1]
         st.next = max(st.next, int(fwd["pos"].max()) + 1)
@@ -351,6 +369,17 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
              "kept_per_head": mask.sum(-1).tolist(), "eps_hat": eps_hat.tolist()}
         )  # fmt: skip
         st.keep(kept[0] if isinstance(kept, torch.Tensor) else kept)
+        if not self.decoding and self._mode != "prefill":  # a one-shot prefill's event: the context's last
+            st.freeze()
+
+    @contextmanager
+    def chunked_prefill(self):
+        """The chunks' events; after the last one, without ``decoding``, every layer frees what no event reads."""
+        with super().chunked_prefill():
+            yield
+        if not self.decoding:
+            for st in self._layers.values():
+                st.freeze()
 
     def unrope(self, module: nn.Module, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE keys (Hkv, N, D) from cached post-RoPE ``keys`` at their original ``positions`` (Hkv, N).

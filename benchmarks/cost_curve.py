@@ -1,0 +1,121 @@
+"""Cost against context length (issue 61): prefill ÷ no compression and decode ÷ SnapKV per CORE band, from the JSON
+files ``benchmarks/cost_targets.py --out`` writes, plotted on one figure, with the growth exponent of each time.
+
+The exponent of a time ``t(n)`` is the slope of ``log t`` against ``log n`` (least squares over the measured
+lengths): 1 for a cost linear in the context, 2 for a quadratic one. Printed per run: the prefill of no compression
+and of each CORE band, CORE's added prefill time (with the press minus without it: the features, the indexer, the
+selection), and the decode time per token. Usage::
+
+    .venv/bin/python -m benchmarks.cost_curve runs/cost_smollm2.json runs/cost_8b.json \\
+        --plot docs/figures/cost_vs_length.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+
+def exponent(lengths: list[int], times: list[float]) -> float:
+    """Least-squares slope of ``log t`` on ``log n`` (NaN with fewer than two lengths or a non-positive time)."""
+    pts = [(math.log(n), math.log(t)) for n, t in zip(lengths, times, strict=True) if t > 0]
+    if len(pts) < 2:
+        return float("nan")
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else float("nan")
+
+
+def growth(run: dict) -> list[dict]:
+    """One row per CORE band of a ``cost_targets`` run: its ratios per length and the exponents."""
+    results = run["results"]
+    lengths = sorted(int(n) for n in results)
+    none = [results[str(n)]["none"]["prefill"] for n in lengths]
+    out = []
+    for label, composition in run["compositions"].items():
+        ratio = label.split("@")[1]
+        pre = [results[str(n)][label]["prefill"] for n in lengths]
+        dec = [results[str(n)][label]["decode"] for n in lengths]
+        snap = [results[str(n)][f"snapkv@{ratio}"]["decode"] for n in lengths]
+        out.append({
+            "model": run["model"], "shape": run["args"].get("model") is None, "ratio": float(ratio), "composition": composition, "lengths": lengths,
+            "prefill_ratio": [p / b for p, b in zip(pre, none, strict=True)],
+            "decode_ratio": [d / s for d, s in zip(dec, snap, strict=True)],
+            "exp_prefill_none": exponent(lengths, none), "exp_prefill": exponent(lengths, pre),
+            "exp_added": exponent(lengths, [p - b for p, b in zip(pre, none, strict=True)]),
+            "exp_decode": exponent(lengths, dec),
+        })  # fmt: skip
+    return out
+
+
+def table(curves: list[dict]) -> str:
+    lines = [
+        "| model | removed | composition | contexts | prefill ÷ none | decode ÷ SnapKV | exponent: prefill none / "
+        "CORE / CORE's added time | exponent: decode |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in curves:
+        lines.append(
+            f"| {c['model']} | {100 * c['ratio']:.0f}% | {c['composition']} | "
+            f"{', '.join(f'{n / 1024:g}k' for n in c['lengths'])} | "
+            f"{' / '.join(f'{x:.2f}' for x in c['prefill_ratio'])} | "
+            f"{' / '.join(f'{x:.2f}' for x in c['decode_ratio'])} | "
+            f"{c['exp_prefill_none']:.2f} / {c['exp_prefill']:.2f} / {c['exp_added']:.2f} | {c['exp_decode']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(curves: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_p, ax_d) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for c in curves:
+        label = f"{c['model']}, {100 * c['ratio']:.0f}% ({c['composition']})"
+        style = "--s" if c["shape"] else "-o"  # config-built layers dashed
+        ax_p.plot(c["lengths"], c["prefill_ratio"], style, label=label)
+        ax_d.plot(c["lengths"], c["decode_ratio"], style, label=label)
+    for ax, title, bound in ((ax_p, "prefill ÷ no compression", None), (ax_d, "decode per token ÷ SnapKV", 1.05)):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_title(title)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        if bound:
+            ax.axhline(bound, color="red", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+    ax_p.axhline(1.20, color="red", lw=0.8, ls=":")
+    ax_p.axhline(1.10, color="darkred", lw=0.8, ls=":")
+    ax_d.legend(fontsize=7, loc="upper left")
+    fig.suptitle("CORE's online cost against context length (CPU time, one thread; dotted: issue 61's bounds)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="JSON files written by benchmarks.cost_targets --out")
+    ap.add_argument("--plot", default=None, help="write the figure (PNG) here")
+    ap.add_argument("--markdown", default=None, help="write the table (markdown) here")
+    args = ap.parse_args(argv)
+    curves = []
+    for path in args.runs:
+        try:
+            curves += growth(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"cost_curve: {path} is not a cost_targets --out file ({type(e).__name__}: {e})") from None
+    print(table(curves))
+    if args.markdown:
+        Path(args.markdown).write_text(table(curves) + "\n", encoding="utf-8")
+    if args.plot:
+        plot(curves, Path(args.plot))
+        print(f"[cost_curve] wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
