@@ -20,7 +20,7 @@ as not called.
 | feat_other           | the rest of ``compute_features`` (norms, ages, prototype fit/entropy, ...)      |
 | indexer              | indexer MLP scores + the calibrated distribution                               |
 | selection            | protected set + Top-B                                                          |
-| head_pooling         | AdaKV's head-wise allocation (``head_budgets="adaptive"``)                      |
+| head_pooling         | AdaKV's head-wise allocation (``head_budgets="adaptive"``) or the head-shared mean (``"shared"``) |
 | repair               | TwinKV's repair pass (``repair=True``)                                          |
 | memory_write         | write weights + the memory write                                               |
 | event                | the rest of an eviction event (ε̂, gathers, bookkeeping)                        |
@@ -92,6 +92,7 @@ TARGETS = (  # (owner, attribute, component): the pieces of the composed press (
     ("core_kv.presses.adakv.AdaKVPress", "score", "head_pooling"),
     ("core_kv.presses.adakv.AdaKVPress", "select", "head_pooling"),
     ("core_kv.presses.adakv", "adaptive_keep", "head_pooling"),
+    ("core_kv.presses.head_shared.HeadSharedPress", "score", "head_pooling"),
     ("core_kv.presses.twin_repair.TwinRepairPress", "compress", "repair"),
     (MEMORY, "evicted", "memory_write"),
     (MEMORY, "write", "memory_write"),

@@ -1,10 +1,11 @@
 """Cost against context length (issue 61): prefill ÷ no compression and decode ÷ SnapKV per CORE band, from the JSON
 files ``benchmarks/cost_targets.py --out`` writes, plotted on one figure, with the growth exponent of each time.
 
-The exponent of a time ``t(n)`` is the slope of ``log t`` against ``log n`` (least squares over the measured
-lengths): 1 for a cost linear in the context, 2 for a quadratic one. Printed per run: the prefill of no compression
-and of each CORE band, CORE's added prefill time (with the press minus without it: the features, the indexer, the
-selection), and the decode time per token. Usage::
+Runs of the same model are merged (one run may cover some lengths or bands, another the rest). The exponent of a
+time ``t(n)`` is the slope of ``log t`` against ``log n`` (least squares over the measured lengths): 1 for a cost
+linear in the context, 2 for a quadratic one. Printed per band: the prefill of no compression and of CORE, CORE's
+added prefill time (with the press minus without it: the features, the indexer, the selection), and the decode time
+per token. Usage::
 
     .venv/bin/python -m benchmarks.cost_curve runs/cost_smollm2.json runs/cost_8b.json \\
         --plot docs/figures/cost_vs_length.png
@@ -29,14 +30,26 @@ def exponent(lengths: list[int], times: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else float("nan")
 
 
+def merge(runs: list[dict]) -> list[dict]:
+    """Runs of the same model merged (e.g. one run for 4k-8k at every band, another for 16k at one band)."""
+    merged: dict[str, dict] = {}
+    for run in runs:
+        m = merged.setdefault(run["model"], {"model": run["model"], "args": run["args"], "compositions": {},
+                                             "results": {}})  # fmt: skip
+        m["compositions"].update(run["compositions"])
+        for n, per in run["results"].items():
+            m["results"].setdefault(n, {}).update(per)
+    return list(merged.values())
+
+
 def growth(run: dict) -> list[dict]:
-    """One row per CORE band of a ``cost_targets`` run: its ratios per length and the exponents."""
+    """One row per CORE band of a (merged) ``cost_targets`` run: its ratios per length and the exponents."""
     results = run["results"]
-    lengths = sorted(int(n) for n in results)
-    none = [results[str(n)]["none"]["prefill"] for n in lengths]
     out = []
     for label, composition in run["compositions"].items():
         ratio = label.split("@")[1]
+        lengths = sorted(int(n) for n, per in results.items() if label in per)
+        none = [results[str(n)]["none"]["prefill"] for n in lengths]
         pre = [results[str(n)][label]["prefill"] for n in lengths]
         dec = [results[str(n)][label]["decode"] for n in lengths]
         snap = [results[str(n)][f"snapkv@{ratio}"]["decode"] for n in lengths]
@@ -103,12 +116,14 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", default=None, help="write the figure (PNG) here")
     ap.add_argument("--markdown", default=None, help="write the table (markdown) here")
     args = ap.parse_args(argv)
-    curves = []
+    runs = []
     for path in args.runs:
         try:
-            curves += growth(json.loads(Path(path).read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError) as e:
+            run = json.loads(Path(path).read_text(encoding="utf-8"))
+            runs.append({k: run[k] for k in ("model", "args", "compositions", "results")})
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"cost_curve: {path} is not a cost_targets --out file ({type(e).__name__}: {e})") from None
+    curves = [c for run in merge(runs) for c in growth(run)]
     print(table(curves))
     if args.markdown:
         Path(args.markdown).write_text(table(curves) + "\n", encoding="utf-8")
