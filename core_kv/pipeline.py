@@ -272,7 +272,8 @@ def answer_questions(
 
     ``stop_at_newline`` ends each answer before the first token after the first one whose text contains a newline;
     ``min_new_tokens`` tokens are generated before eos may end an answer (:func:`greedy_answer`).
-    Returns ``{"answers": [str], "context_length": N, "kv_bytes": {...}, "aux_bytes": int}``.
+    Returns ``{"answers": [str], "context_length": N, "kv_bytes": {...}, "aux_bytes": int}``: the KV payload and
+    ``press.aux_bytes()`` (the state the press holds beside it while decoding) right after the first prefill.
 
     Raises:
         ValueError: a bad argument (:func:`check_generation_args`: an empty or non-string ``context``, no

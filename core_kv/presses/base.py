@@ -163,7 +163,8 @@ class BasePress:
         return type(self).readout is not BasePress.readout
 
     def aux_bytes(self) -> int:
-        """Bytes of auxiliary state the method keeps beside the KV payload (e.g. CORE's memory)."""
+        """Bytes of auxiliary state the method keeps beside the KV payload (e.g. CORE's memory), summed over a wrapped
+        stack; read after the prefill (docs/presses.md: eval reports, ``answer_questions`` and the cost benchmarks)."""
         return sum(self.aux_breakdown().values())
 
     def aux_breakdown(self) -> dict:
