@@ -117,6 +117,20 @@ def build_artifact(model, folder: Path, feature_spec: int = 1) -> Path:
     return folder
 
 
+def shape_artifact(model, checkpoint: Path, folder: Path) -> Path:
+    """An untrained artifact fitted to ``model`` with ``checkpoint``'s feature spec, protected positions, write rule and
+    inference policy (what the cost depends on; the weights do not change it)."""
+    from core_kv.core_model import CoreModel
+
+    source = CoreModel.from_pretrained(checkpoint).config
+    path = build_artifact(model, folder, source.feature_spec["version"])
+    core = CoreModel.from_pretrained(path)
+    for name in ("protected_sinks", "protected_recent", "write_rule", "inference_policy"):
+        setattr(core.config, name, getattr(source, name))
+    core.save_pretrained(path)
+    return path
+
+
 def presses(checkpoint: Path, ratio: float, n: int, chunked: bool, memory_dtypes=(), variants=None) -> dict:
     """The three methods at context ``n``, plus CORE with each of ``memory_dtypes`` and each ``--press-option`` NAME
     (``variants``: NAME → press options, timed as ``core_NAME``).

@@ -37,7 +37,11 @@ artifact's defaults. Usage::
 
     .venv/bin/python -m benchmarks.core_profile --model smollm2-135m --checkpoint checkpoints/core-smollm2/final \\
         --lengths 2048 4096 8192
-    .venv/bin/python -m benchmarks.core_profile --shape llama-3.1-8b --layers 2 --lengths 2048 4096
+    .venv/bin/python -m benchmarks.core_profile --shape llama-3.1-8b --layers 1 --lengths 4096 \\
+        --checkpoint checkpoints/core-smollm2/final --ratio 0.5
+
+With ``--shape`` and ``--checkpoint`` the artifact's feature spec and policy run on the config-built layers
+(:func:`~benchmarks.core_cost.shape_artifact`); with ``--shape`` alone an untrained artifact (the paper's press).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.core_cost import add_model_args, bench_model, build_artifact
+from benchmarks.core_cost import add_model_args, bench_model, build_artifact, shape_artifact
 from core_kv.eval.press_labels import parse_press_options
 
 SCORER = "core_kv.presses.core_scorer.CoreScorerPress"
@@ -265,9 +269,12 @@ def main(argv=None) -> None:
     model = bench_model(args.model, args.shape, args.layers)
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = (
-            Path(args.checkpoint) if args.checkpoint else build_artifact(model, Path(tmp) / "core", args.feature_spec)
-        )
+        if args.checkpoint and args.model is None:  # the artifact's spec and policy on config-built layers
+            ckpt = shape_artifact(model, Path(args.checkpoint), Path(tmp) / "core")
+        elif args.checkpoint:
+            ckpt = Path(args.checkpoint)
+        else:
+            ckpt = build_artifact(model, Path(tmp) / "core", args.feature_spec)
 
         def press(opts):
             return build_press("core", checkpoint=str(ckpt), compression_ratio=args.ratio, **opts)

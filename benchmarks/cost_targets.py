@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.core_cost import add_model_args, bench_model, build_artifact, measure
+from benchmarks.core_cost import add_model_args, bench_model, measure, shape_artifact
 
 SHAPE_TARGETS = {"prefill": 1.10, "decode": 1.05}  # config-built 8B layers, at every length
 MODEL_TARGETS = {"prefill": 1.20, "decode": 1.05}  # the artifact's model; the prefill bound at <= PREFILL_UPTO tokens
@@ -56,20 +56,6 @@ def policy_ratios(checkpoint: Path) -> list[float]:
     if core.config.inference_policy is None:
         return [0.75]
     return [b.validated_at for b in core.policy().bands]
-
-
-def shape_artifact(model, checkpoint: Path, folder: Path) -> Path:
-    """An untrained artifact fitted to ``model`` with ``checkpoint``'s feature spec, protected positions, write rule and
-    inference policy (what the cost depends on; the weights do not change it)."""
-    from core_kv.core_model import CoreModel
-
-    source = CoreModel.from_pretrained(checkpoint).config
-    path = build_artifact(model, folder, source.feature_spec["version"])
-    core = CoreModel.from_pretrained(path)
-    for name in ("protected_sinks", "protected_recent", "write_rule", "inference_policy"):
-        setattr(core.config, name, getattr(source, name))
-    core.save_pretrained(path)
-    return path
 
 
 def presses(checkpoint: Path, ratios: list[float]) -> dict:
