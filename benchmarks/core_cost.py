@@ -4,10 +4,10 @@ Measured side by side in one process: no compression, SnapKV and CORE, at 1k–8
 compression ratio (default 75%, the paper's Table 19 setting), for one-shot prefill and chunked prefill (512), plus
 the per-token decode time on the compressed cache (32 greedy steps; CORE pays the memory readout on every step).
 Every method ends with the same KV payload (chunked SnapKV runs with the equivalent absolute budget).
-Time is the median CPU time over ``--repeats`` rounds with the method order rotating (three decode passes per round,
-interleaved across the methods), after an untimed priming round on a short context (one thread; CPU time rather than
-wall time because the host is shared). Reported as ratios to no
-compression and to SnapKV, next to each method's KV payload and auxiliary bytes.
+Time is the median CPU time over ``--repeats`` rounds with the method order rotating (three decode passes per round
+and method), after an untimed priming round on a short context (one thread; CPU time rather than wall time because
+the host is shared). Reported as ratios to no compression and to SnapKV, next to each method's KV payload and
+auxiliary bytes.
 
 The model is a random-weight Llama built from config (4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64,
 the shapes of ``benchmarks/twinkv_cost.py``) with an untrained CORE artifact fitted to it (cost depends on shapes,
@@ -171,9 +171,9 @@ def measure(
     tokens; ``context`` (1, N) gives the token ids instead).
 
     A first round on ``prime`` tokens (allocations, first-call overheads) is not timed; then ``repeats`` rounds with
-    the method order rotating: every method's prefill, then ``decode_passes`` decode passes (an 8-token question and
-    ``DECODE_STEPS`` greedy tokens, the cache trimmed back after each) interleaved across the methods on the caches
-    they left, so the cheap, noisy decode times are compared side by side at a finer grain than the prefills. The KV
+    the method order rotating: each method's prefill, then ``decode_passes`` decode passes on its cache (an 8-token
+    question and ``DECODE_STEPS`` greedy tokens, the cache trimmed back after each): more samples of the cheap, noisy
+    decode times, one cache held at a time. The KV
     payload and the auxiliary state (``press.aux_bytes()``: what the press holds beside the kept KV as decoding
     starts, the number eval reports and ``answer_questions`` give) are read right after each prefill."""
     from core_kv.models.cache import kv_bytes
@@ -191,25 +191,23 @@ def measure(
     for r in range(repeats + 1):  # round 0 primes on a short context and is dropped
         order = names[r % len(names) :] + names[: r % len(names)]
         context = ctx if r else ctx[:, : min(prime, n)]
-        caches = {}
         for m in order:
             press, box = methods[m], {}
             t_pre = cpu_seconds(lambda: box.setdefault("cache", prefill(model, context, press, chunk)))  # noqa: B023
-            caches[m] = box["cache"]
+            cache = box.pop("cache")
             if r:
-                acc = kv_bytes(caches[m])
+                acc = kv_bytes(cache)
                 times[m]["prefill"].append(t_pre)
                 info[m] = {"kv_bytes": acc["total"], "kv_payload": acc["payload"],
                            "aux_bytes": press.aux_bytes() if press else 0}  # fmt: skip
-        for _ in range(decode_passes if r else 1):
-            for m in order:
+            for _ in range(decode_passes if r else 1):
                 t_dec = cpu_seconds(
-                    lambda: greedy_answer(model, caches[m], context.shape[1], question, DECODE_STEPS,  # noqa: B023
-                                          methods[m], eos_token_ids=[])  # fmt: skip
+                    lambda: greedy_answer(model, cache, context.shape[1], question, DECODE_STEPS, press,  # noqa: B023
+                                          eos_token_ids=[])  # fmt: skip
                 )
                 if r:
                     times[m]["decode"].append(t_dec / tokens)
-        del caches
+            del cache  # one method's cache at a time
     return {m: {k: statistics.median(v) for k, v in times[m].items()} | info[m] for m in names}
 
 
