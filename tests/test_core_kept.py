@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import record_core_kept
 from safetensors.torch import load_file, save_file
+
+from tests.helpers import record_core_kept
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "core_kept" / "kept.safetensors"
