@@ -211,23 +211,27 @@ def measure(
     return {m: {k: statistics.median(v) for k, v in times[m].items()} | info[m] for m in names}
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: the header, its rule, then one line per row of (already formatted) cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def table(results: dict, lengths: list[int]) -> str:
-    rows = [
-        "| prefill | context | method | prefill s | decode ms/token | prefill ÷ none | prefill ÷ snapkv | "
-        "decode ÷ none | decode ÷ snapkv | KV bytes | aux bytes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["prefill", "context", "method", "prefill s", "decode ms/token", "prefill ÷ none", "prefill ÷ snapkv",
+              "decode ÷ none", "decode ÷ snapkv", "KV bytes", "aux bytes"]  # fmt: skip
+    rows = []
     for mode, per_len in results.items():
         for n in lengths:
             r = per_len[str(n)]
             for m, v in r.items():
-                rows.append(
-                    f"| {mode} | {n} | {m} | {v['prefill']:.3f} | {1e3 * v['decode']:.2f} | "
-                    f"{v['prefill'] / r['none']['prefill']:.3f} | {v['prefill'] / r['snapkv']['prefill']:.3f} | "
-                    f"{v['decode'] / r['none']['decode']:.3f} | {v['decode'] / r['snapkv']['decode']:.3f} | "
-                    f"{v['kv_bytes']:,} | {v['aux_bytes']:,} ({100 * v['aux_bytes'] / v['kv_bytes']:.1f}% of KV) |"
-                )
-    return "\n".join(rows)
+                rows.append([
+                    mode, str(n), m, f"{v['prefill']:.3f}", f"{1e3 * v['decode']:.2f}",
+                    f"{v['prefill'] / r['none']['prefill']:.3f}", f"{v['prefill'] / r['snapkv']['prefill']:.3f}",
+                    f"{v['decode'] / r['none']['decode']:.3f}", f"{v['decode'] / r['snapkv']['decode']:.3f}",
+                    f"{v['kv_bytes']:,}", f"{v['aux_bytes']:,} ({100 * v['aux_bytes'] / v['kv_bytes']:.1f}% of KV)",
+                ])  # fmt: skip
+    return markdown_table(header, rows)
 
 
 def main(argv=None) -> None:

@@ -18,6 +18,8 @@ import json
 import math
 from pathlib import Path
 
+from benchmarks.core_cost import markdown_table
+
 
 def exponent(lengths: list[int], times: list[float]) -> float:
     """Least-squares slope of ``log t`` on ``log n`` (NaN with fewer than two lengths or a non-positive time)."""
@@ -65,20 +67,13 @@ def growth(run: dict) -> list[dict]:
 
 
 def table(curves: list[dict]) -> str:
-    lines = [
-        "| model | removed | composition | contexts | prefill ÷ none | decode ÷ SnapKV | exponent: prefill none / "
-        "CORE / CORE's added time | exponent: decode |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for c in curves:
-        lines.append(
-            f"| {c['model']} | {100 * c['ratio']:.0f}% | {c['composition']} | "
-            f"{', '.join(f'{n / 1024:g}k' for n in c['lengths'])} | "
-            f"{' / '.join(f'{x:.2f}' for x in c['prefill_ratio'])} | "
-            f"{' / '.join(f'{x:.2f}' for x in c['decode_ratio'])} | "
-            f"{c['exp_prefill_none']:.2f} / {c['exp_prefill']:.2f} / {c['exp_added']:.2f} | {c['exp_decode']:.2f} |"
-        )
-    return "\n".join(lines)
+    header = ["model", "removed", "composition", "contexts", "prefill ÷ none", "decode ÷ SnapKV",
+              "exponent: prefill none / CORE / CORE's added time", "exponent: decode"]  # fmt: skip
+    return markdown_table(header, [[
+        c["model"], f"{100 * c['ratio']:.0f}%", c["composition"], ", ".join(f"{n / 1024:g}k" for n in c["lengths"]),
+        " / ".join(f"{x:.2f}" for x in c["prefill_ratio"]), " / ".join(f"{x:.2f}" for x in c["decode_ratio"]),
+        f"{c['exp_prefill_none']:.2f} / {c['exp_prefill']:.2f} / {c['exp_added']:.2f}", f"{c['exp_decode']:.2f}",
+    ] for c in curves])  # fmt: skip
 
 
 def plot(curves: list[dict], path: Path) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.core_cost import add_model_args, bench_model, measure, shape_artifact
+from benchmarks.core_cost import add_model_args, bench_model, markdown_table, measure, shape_artifact
 
 SHAPE_TARGETS = {"prefill": 1.10, "decode": 1.05}  # config-built 8B layers, at every length
 MODEL_TARGETS = {"prefill": 1.20, "decode": 1.05}  # the artifact's model; the prefill bound at <= PREFILL_UPTO tokens
@@ -89,19 +89,14 @@ def rows(results: dict, compositions: dict) -> list[dict]:
 
 
 def table(table_rows: list[dict]) -> str:
-    lines = [
-        "| context | removed | composition | prefill s, none | prefill ÷ none | decode ms/token | decode ÷ SnapKV | "
-        "KV kept | aux | aux ÷ kept KV |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for x in table_rows:
-        lines.append(
-            f"| {x['context']} | {100 * x['ratio']:.0f}% | {x['composition']} | {x['prefill_none_s']:.2f} | "
-            f"{x['prefill_ratio']:.3f} | {x['decode_ms']:.1f} | {x['decode_ratio']:.3f} | "
-            f"{x['kv_payload'] / 2**20:.1f} MiB | {x['aux_bytes'] / 2**20:.2f} MiB | "
-            f"{100 * x['aux_bytes'] / x['kv_payload']:.1f}% |"
-        )
-    return "\n".join(lines)
+    header = ["context", "removed", "composition", "prefill s, none", "prefill ÷ none", "decode ms/token",
+              "decode ÷ SnapKV", "KV kept", "aux", "aux ÷ kept KV"]  # fmt: skip
+    return markdown_table(header, [[
+        str(x["context"]), f"{100 * x['ratio']:.0f}%", x["composition"], f"{x['prefill_none_s']:.2f}",
+        f"{x['prefill_ratio']:.3f}", f"{x['decode_ms']:.1f}", f"{x['decode_ratio']:.3f}",
+        f"{x['kv_payload'] / 2**20:.1f} MiB", f"{x['aux_bytes'] / 2**20:.2f} MiB",
+        f"{100 * x['aux_bytes'] / x['kv_payload']:.1f}%",
+    ] for x in table_rows])  # fmt: skip
 
 
 def targets(table_rows: list[dict], shape: bool) -> list[tuple[str, float, float, bool]]:
