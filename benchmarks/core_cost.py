@@ -207,7 +207,7 @@ def measure(
                 )
                 if r:
                     times[m]["decode"].append(t_dec / tokens)
-            del cache  # one method's cache at a time
+            cache = None  # one method's cache at a time (freed before the next prefill)
     return {m: {k: statistics.median(v) for k, v in times[m].items()} | info[m] for m in names}
 
 
