@@ -15,7 +15,7 @@ artifact went, the report, and the commands that load and evaluate it. Resumable
 
 Examples::
 
-    make train                                                        # the proxy LM, CPU, 19.3 min
+    make train                                                        # the proxy LM, CPU, 4.9 min
     make train ARGS="--config configs/train/quick.yaml"              # SmolLM2-135M, a first run (docs/train-your-model.md)
     make train ARGS="out_dir=/tmp/core-proxy"                        # the proxy recipe into another folder
     make train ARGS="--config my-model.yaml teacher.lam=4"           # your copy of quick.yaml, another λ
