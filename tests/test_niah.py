@@ -142,3 +142,36 @@ def test_heatmap_written(tmp_path, grid):
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
     with pytest.raises(ValueError, match="no scored rows"):
         plot_niah_heatmap([], tmp_path / "empty.png")
+
+
+def test_panels_share_one_scale_and_leave_missing_cells_blank(tmp_path, monkeypatch):
+    """The papers' figure: a row per ratio, a panel per method; a cell not run is a blank panel, the grid means are
+    the ones each panel is titled with (checked on the numbers the drawing receives)."""
+    rows = [{"length": L, "depth": d, "score": 100.0 if d < 50 else 0.0} for L in (1024, 2048) for d in (0, 50, 100)]
+    lengths, depths, grid = niah._grid(rows + [{"length": 1024, "depth": 0, "score": 0.0}])  # a repeated cell
+    assert lengths == [1024, 2048] and depths == [0, 50, 100]
+    assert grid[0].tolist() == [50.0, 100.0] and grid[1:].sum() == 0.0
+    path = niah.plot_niah_panels([[("full cache", rows), ("core @ 75%", rows)], [("full cache", rows), ("x", None)]],
+                                 tmp_path / "panels.png", "NIAH - test", 100.0)  # fmt: skip
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no scored rows"):
+        niah.plot_niah_panels([[("x", None)]], tmp_path / "none.png")
+
+
+def test_niah_benchmark_draws_one_map_per_cell_and_the_panel_figure(tmp_path, monkeypatch):
+    from core_kv.eval.benchmarks import get_benchmark
+
+    drawn = []
+    monkeypatch.setattr(niah, "plot_niah_panels", lambda panels, path, *a, **k: drawn.append((panels, path)) or path)
+    rows = [{"length": 1024, "depth": 0, "score": 100.0}]
+    cells = [({"method": m, "ratio": r}, rows) for m, r in (("full", 0.0), ("core", 0.75), ("twinkv", 0.75),
+                                                           ("core", 0.9))]  # fmt: skip
+    files = get_benchmark("niah").plots(cells, tmp_path, "niah", "toy")
+    assert [p.name for p in files] == ["niah_heatmap__niah__full__0.00.png", "niah_heatmap__niah__core__0.75.png",
+                                       "niah_heatmap__niah__twinkv__0.75.png", "niah_heatmap__niah__core__0.90.png",
+                                       "niah_panels__niah.png"]  # fmt: skip
+    panels = drawn[-1][0]  # one row per ratio: the full cache first, then every method (blank where not run)
+    assert [[(t, r is not None) for t, r in line] for line in panels] == [
+        [("full cache", True), ("core @ 0.75", True), ("twinkv @ 0.75", True)],
+        [("full cache", True), ("core @ 0.90", True), ("twinkv @ 0.90", False)],
+    ]

@@ -208,8 +208,9 @@ class Benchmark:
                 out["by_length"][str(L)] = _mean(at_l.values())
         return out
 
-    def plots(self, rows: list[dict], out_dir: Path, name: str, title: str) -> list[Path]:
-        """Benchmark-specific figures of one cell (none by default); ``name`` is folder-safe, ``title`` for display."""
+    def plots(self, cells: list[tuple[dict, list[dict]]], out_dir: Path, entry: str, label: str) -> list[Path]:
+        """Benchmark-specific figures (none by default) of a run's cells, each ``(metrics, scored rows)``; ``entry``
+        is the benchmark's name in the run, ``label`` the model's."""
         return []
 
     def report_tables(self, cells: list[dict]) -> list[tuple[str, str]]:
@@ -285,12 +286,27 @@ class Niah(Benchmark, name="niah"):
         out["average_label"] = "NIAH string match (mean over lengths x depths)"
         return out
 
-    def plots(self, rows: list[dict], out_dir: Path, name: str, title: str) -> list[Path]:
+    def plots(self, cells: list[tuple[dict, list[dict]]], out_dir: Path, entry: str, label: str) -> list[Path]:
+        """One depth x length heat map per cell, and with several cells the papers' figure: one row per removed
+        ratio, one panel per method, the full cache first in each row (scores are 0-100: one colour scale)."""
         from core_kv.eval import niah
+        from core_kv.eval.schema import ratio_label
 
-        path = Path(out_dir) / f"niah_heatmap__{name}.png"
-        niah.plot_niah_heatmap(rows, path, title=f"NIAH: {title}", vmax=100.0)  # scores are 0-100
-        return [path]
+        files = []
+        for c, rows in cells:
+            name = f"{entry}__{c['method']}__{ratio_label(c['ratio'])}"
+            title = f"NIAH: {c['method']} @ {ratio_label(c['ratio'])} - {label}"
+            files.append(niah.plot_niah_heatmap(rows, Path(out_dir) / f"niah_heatmap__{name}.png", title, vmax=100.0))
+        if len(cells) > 1:
+            by = {(c["method"], c["ratio"]): rows for c, rows in cells}
+            full = [rows for c, rows in cells if c["ratio"] == 0]
+            methods = list(dict.fromkeys(c["method"] for c, _ in cells if c["ratio"] > 0))
+            ratios = sorted({c["ratio"] for c, _ in cells if c["ratio"] > 0})
+            panels = [([("full cache", full[0])] if full else [])
+                      + [(f"{m} @ {ratio_label(r)}", by.get((m, r))) for m in methods] for r in ratios]  # fmt: skip
+            path = Path(out_dir) / f"niah_panels__{entry}.png"
+            files.append(niah.plot_niah_panels(panels or [[("full cache", full[0])]], path, f"NIAH - {label}", 100.0))
+        return files
 
 
 # -------------------------------------------------------------------------------------------------------- Fidelity

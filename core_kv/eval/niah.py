@@ -217,6 +217,20 @@ def _cell(row: Any) -> tuple[int, float, float]:
     raise TypeError(f"cannot read length/depth/score from a {type(row).__name__}")
 
 
+def _grid(rows_with_scores: Iterable[Any]) -> tuple[list[int], list[float], np.ndarray]:
+    """(lengths, depths, depth x length means) of scored rows; repeated cells are averaged, missing ones NaN."""
+    cells: dict[tuple[int, float], list[float]] = {}
+    for row in rows_with_scores:
+        L, d, s = _cell(row)
+        cells.setdefault((L, d), []).append(s)
+    lengths = sorted({L for L, _ in cells})
+    depths = sorted({d for _, d in cells})
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for (L, d), scores in cells.items():
+        grid[depths.index(d), lengths.index(L)] = float(np.mean(scores))
+    return lengths, depths, grid
+
+
 def plot_niah_heatmap(
     rows_with_scores: Iterable[Any],
     path: str | os.PathLike,
@@ -238,39 +252,69 @@ def plot_niah_heatmap(
     Raises:
         ValueError: if there are no rows.
     """
+    return plot_niah_panels([[(title, rows_with_scores)]], path, vmax=vmax)
+
+
+def plot_niah_panels(
+    panels: Sequence[Sequence[tuple[str, Iterable[Any] | None]]],
+    path: str | os.PathLike,
+    title: str = "",
+    vmax: float | None = None,
+) -> Path:
+    """Draw several depth x length heat maps on one colour scale, one panel per method (the papers' figure).
+
+    Args:
+        panels: rows of ``(panel title, scored rows)`` (the rows as :func:`plot_niah_heatmap` reads them); ``None``
+            rows leave a blank panel (a cell not run). Each panel's title gains the mean score of its grid.
+        path: output ``.png`` path (written atomically).
+        title: the figure's title (model, ratios); empty for none.
+        vmax: top of the shared colour scale; by default 1, 10 or 100, whichever first covers the largest score.
+
+    Returns:
+        The written path.
+
+    Raises:
+        ValueError: if no panel has scored rows.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import LinearSegmentedColormap
     from matplotlib.figure import Figure
 
-    cells: dict[tuple[int, float], list[float]] = {}
-    for row in rows_with_scores:
-        L, d, s = _cell(row)
-        cells.setdefault((L, d), []).append(s)
-    if not cells:
+    grids = [[(label, _grid(rows) if rows is not None else None) for label, rows in line] for line in panels]
+    filled = [g for line in grids for _, g in line if g is not None and g[2].size]
+    if not filled:
         raise ValueError("no scored rows to plot")
-    lengths = sorted({L for L, _ in cells})
-    depths = sorted({d for _, d in cells})
-    grid = np.full((len(depths), len(lengths)), np.nan)
-    for (L, d), scores in cells.items():
-        grid[depths.index(d), lengths.index(L)] = float(np.mean(scores))
     if vmax is None:
-        top = float(np.nanmax(grid))
+        top = max(float(np.nanmax(g[2])) for g in filled)
         vmax = next(v for v in (1.0, 10.0, 100.0) if top <= v) if top <= 100 else top
-
-    fig = Figure(figsize=(max(4.0, 0.9 * len(lengths) + 2.5), max(3.0, 0.45 * len(depths) + 1.8)))
+    n_rows, n_cols = len(grids), max(len(line) for line in grids)
+    n_len = max(len(g[0]) for g in filled)
+    n_dep = max(len(g[1]) for g in filled)
+    width, height = max(4.0, 0.9 * n_len + 2.5), max(3.0, 0.45 * n_dep + 1.8)
+    fig = Figure(figsize=(width * n_cols, height * n_rows + (0.4 if title else 0.0)))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
     cmap = LinearSegmentedColormap.from_list("niah", ["#F0496E", "#EBB839", "#0CD79F"])
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=vmax, aspect="auto")
-    for i in range(len(depths)):
-        for j in range(len(lengths)):
-            if not np.isnan(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7)
-    ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], rotation=45)
-    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("depth (%)")
-    ax.set_title("\n".join(textwrap.wrap(title, 45)), fontsize=9, loc="left")  # wrapped: stays inside the figure
-    fig.colorbar(image, ax=ax, label="score")
-    fig.tight_layout()
+    image = None
+    for i, line in enumerate(grids):
+        for j, (label, g) in enumerate(line):
+            ax = fig.add_subplot(n_rows, n_cols, i * n_cols + j + 1)
+            if g is None or not g[2].size:
+                ax.set_axis_off()
+                ax.set_title("\n".join(textwrap.wrap(f"{label}: not run", 45)), fontsize=9, loc="left")
+                continue
+            lengths, depths, grid = g
+            image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=vmax, aspect="auto")
+            for a in range(len(depths)):
+                for b in range(len(lengths)):
+                    if not np.isnan(grid[a, b]):
+                        ax.text(b, a, f"{grid[a, b]:.3g}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], rotation=45)
+            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("depth (%)")
+            label = label if n_rows * n_cols == 1 else f"{label} (mean {float(np.nanmean(grid)):.3g})"
+            ax.set_title("\n".join(textwrap.wrap(label, 45)), fontsize=9, loc="left")  # wrapped: stays inside
+    fig.colorbar(image, ax=fig.axes, label="score")
+    if title:
+        fig.suptitle(title, fontsize=10)
     return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))

@@ -283,9 +283,9 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str, not
 def benchmark_plots(
     bench: Benchmark, entry: str, cells: list[dict], out_dir: Path, floor: float | None = REFERENCE_FLOOR
 ) -> list[Path]:
-    """The compression curve of one benchmark plus its own per-cell figures (e.g. NIAH heat maps).
+    """The compression curve of one benchmark plus its own figures (e.g. NIAH heat maps).
 
-    Per-cell figures need the cell's rows, read back from its ``predictions.jsonl``. A reference below ``floor``
+    The benchmark's figures need the cells' rows, read back from each ``predictions.jsonl``. A reference below ``floor``
     (:func:`reference_warnings`) is noted under the curve's title.
     """
     from core_kv.eval.schema import cell_dir
@@ -300,10 +300,9 @@ def benchmark_plots(
     files = [plot_compression_curves(cells, Path(out_dir) / f"curves__{entry}.png", f"{entry} - {label}", note)]
     if type(bench).plots is not Benchmark.plots:
         root = Path(out_dir).parent
-        for c in cells:
-            rows = read_jsonl(cell_dir(root, entry, c["model"], c["method"], c["ratio"]) / "predictions.jsonl")
-            name = f"{entry}__{c['method']}__{ratio_label(c['ratio'])}"
-            files += bench.plots(rows, out_dir, name, f"{c['method']} @ {ratio_label(c['ratio'])} - {label}")
+        scored = [(c, read_jsonl(cell_dir(root, entry, c["model"], c["method"], c["ratio"]) / "predictions.jsonl"))
+                  for c in cells]  # fmt: skip
+        files += bench.plots(scored, Path(out_dir), entry, label)
     return files
 
 
