@@ -50,13 +50,14 @@ PREFILL_UPTO = 4096
 
 
 def policy_ratios(checkpoint: Path) -> list[float]:
-    """The validation ratio of every band of the artifact's inference policy (the paper's press: 0.75 alone)."""
+    """The validation ratio of every band of the artifact's inference policy, at any of its validated lengths (the
+    paper's press: 0.75 alone)."""
     from core_kv.core_model import CoreModel
 
     core = CoreModel.from_pretrained(checkpoint)
     if core.config.inference_policy is None:
         return [0.75]
-    return [b.validated_at for b in core.policy().bands]
+    return sorted({b.validated_at for lb in core.policy().lengths for b in lb.bands})
 
 
 def presses(checkpoint: Path, ratios: list[float]) -> dict:

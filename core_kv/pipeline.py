@@ -100,7 +100,7 @@ def prefill(
         if chunk_size is None or chunk_size >= n:
             _body(model)(input_ids=context_ids, use_cache=True, **{cache_kwarg(_body(model)): cache})
         else:
-            with press.chunked_prefill() if press is not None else nullcontext():
+            with press.chunked_prefill(n) if press is not None else nullcontext():
                 for start in range(0, n, chunk_size):
                     chunk = context_ids[:, start : start + chunk_size]
                     pos = torch.arange(start, start + chunk.shape[1], device=device)[None]

@@ -1,14 +1,16 @@
-"""The inference policy a CORE artifact carries: how its pieces are composed at each compression ratio.
+"""The inference policy a CORE artifact carries: how its pieces are composed at each compression ratio and length.
 
 CORE's retention channel (the scorer), head-wise budgets (AdaKV around it, pooled over ``p`` or over ``(p + ε)·‖v‖``),
 TwinKV's repair pass and the latent memory (outermost) compose as presses (:mod:`core_kv.presses.core`). Which
-composition measures best depends on the ratio and the model, so ``train.py``'s last stage (the policy stage,
-:mod:`core_kv.eval.policy_stage`) chooses one per compression-ratio band on validation prompts it generates itself
-and records it in the artifact's ``config.json`` (``inference_policy``), with every candidate's validation score and
-how the validation set was made. ``build_press("core", checkpoint=..., compression_ratio=r)`` applies the band of r.
+composition measures best depends on the ratio, the context length and the model, so ``train.py``'s last stage (the
+policy stage, :mod:`core_kv.eval.policy_stage`) chooses one per (context length, compression-ratio band) on
+validation prompts it generates itself and records it in the artifact's ``config.json`` (``inference_policy``), with
+every candidate's validation score and how the validation set was made. ``build_press("core", checkpoint=...,
+compression_ratio=r)`` applies, at each prefill, the band of r at the validated length nearest to the context's.
 
-A band covers the ratios ``(previous upto, upto]``; the last band covers everything above. An artifact without a
-recorded policy runs the paper's press (:data:`PAPER`: uniform per-head budgets, memory in every layer).
+A length band (:class:`LengthBand`) holds the ratio bands chosen at one validation length; a ratio band covers the
+ratios ``(previous upto, upto]``, the last one everything above. An artifact without a recorded policy runs the
+paper's press (:data:`PAPER`: uniform per-head budgets, memory in every layer).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from core_kv.config import parse_layers
 
-POLICY_VERSION = 1
+POLICY_VERSION = 2
 HEAD_BUDGETS = ("uniform", "adaptive", "shared")
 HEAD_POOLS = ("score", "output")
 
@@ -114,7 +116,9 @@ class PolicyOptions:
 
 
 PAPER = PolicyOptions()  # the paper's press: uniform budgets, mass-weighted memory in every layer
-RECORD_FIELDS = {"version", "bands", "default_band", "candidates", "validation"}  # of a recorded policy
+V1_FIELDS = {"version", "bands", "default_band", "candidates", "validation"}  # of a version-1 policy (one length)
+LENGTH_FIELDS = {"length", "bands", "default_band", "candidates", "validation"}  # of a recorded length band
+RECORD_FIELDS = {"version", "lengths"}  # of a recorded policy
 
 
 def _finite(v, name: str) -> float:
@@ -145,10 +149,13 @@ class Band:
 
 
 @dataclass
-class InferencePolicy:
-    """Bands of compression ratios, each with its options, and the record of how they were chosen.
+class LengthBand:
+    """The ratio bands chosen at one validation length, and the record of how they were chosen there.
 
     Attributes:
+        length: Context tokens of the validation prompts the bands were chosen on; ``None``: not recorded (the
+            paper's press of an artifact without a policy, or a version-1 record without
+            ``validation.context_tokens``), allowed for a policy of one length band only.
         bands: Ascending by ``upto``; the last band also covers every ratio above its ``upto``.
         default_band: The band an absolute ``budget`` (no ratio) uses.
         candidates: Per validation ratio (``"0.75"``), every candidate's options and validation scores.
@@ -156,12 +163,16 @@ class InferencePolicy:
             chose among the candidates.
     """
 
+    length: int | None
     bands: list[Band]
     default_band: int = 0
     candidates: dict = field(default_factory=dict)
     validation: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.length is not None and (isinstance(self.length, bool) or not isinstance(self.length, int)
+                                        or self.length < 1):  # fmt: skip
+            raise ValueError(f"length must be a positive number of context tokens, got {self.length!r}")
         if not self.bands:
             raise ValueError("bands: an inference policy needs at least one band")
         for i, b in enumerate(self.bands):
@@ -200,12 +211,10 @@ class InferencePolicy:
     def check_layers(self, num_layers: int, where: str = "inference_policy") -> None:
         """Every band's (and recorded candidate's) memory layers exist in a model of ``num_layers`` layers."""
         for i, b in enumerate(self.bands):
-            b.options.check_layers(num_layers, f"{where}: bands[{i}].options")
+            b.options.check_layers(num_layers, f"{where}bands[{i}].options")
         for r, rows in self.candidates.items():
             for j, row in enumerate(rows):
-                PolicyOptions.from_dict(row["options"]).check_layers(
-                    num_layers, f"{where}: candidates[{r!r}][{j}].options"
-                )
+                PolicyOptions.from_dict(row["options"]).check_layers(num_layers, f"{where}candidates[{r!r}][{j}].options")
 
     def band(self, ratio: float | None) -> Band:
         """The band of ``ratio`` (``None``: the default band)."""
@@ -216,12 +225,9 @@ class InferencePolicy:
                 return b
         return self.bands[-1]
 
-    def for_ratio(self, ratio: float | None) -> PolicyOptions:
-        return self.band(ratio).options
-
     def to_dict(self) -> dict:
         return {
-            "version": POLICY_VERSION,
+            "length": self.length,
             "bands": [
                 {"upto": b.upto, "validated_at": b.validated_at, "options": b.options.to_dict()} for b in self.bands
             ],
@@ -231,40 +237,147 @@ class InferencePolicy:
         }
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "inference_policy") -> InferencePolicy:
-        """The policy of a recorded dict; every field is checked, a bad one raises ``ValueError`` naming ``where`` (the
-        file) and the field."""
-        if not isinstance(d, dict):
-            raise ValueError(f"{where}: an inference policy is a JSON object, got {d!r}")
-        if d.get("version") != POLICY_VERSION:
-            raise ValueError(f"{where}: version {d.get('version')!r}, this code reads v{POLICY_VERSION}")
-        unknown = sorted(set(d) - RECORD_FIELDS)
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {unknown}; a policy records {sorted(RECORD_FIELDS)}")
+    def from_dict(cls, d: dict, where: str, at: str = "") -> LengthBand:
+        """The length band of a recorded dict (``length`` read from ``d``; for a version-1 record ``d`` has none and
+        the caller passes ``validation.context_tokens``); a bad field raises ``ValueError`` naming ``where`` (the
+        file) and ``at`` + the field (``lengths[1].bands[0].upto``)."""
         if "bands" not in d:
-            raise ValueError(f"{where}: no 'bands' field")
+            raise ValueError(f"{where}: no '{at}bands' field")
         if not isinstance(d["bands"], list):
-            raise ValueError(f"{where}: bands must be a list of bands, got {d['bands']!r}")
+            raise ValueError(f"{where}: {at}bands must be a list of bands, got {d['bands']!r}")
         bands = []
         for i, b in enumerate(d["bands"]):
             if not isinstance(b, dict):
-                raise ValueError(f"{where}: bands[{i}] must be a mapping (upto, validated_at, options), got {b!r}")
+                raise ValueError(f"{where}: {at}bands[{i}] must be a mapping (upto, validated_at, options), got {b!r}")
             missing = sorted({"upto", "validated_at", "options"} - set(b))
             extra = sorted(set(b) - {"upto", "validated_at", "options"})
             if missing or extra:
-                raise ValueError(f"{where}: bands[{i}] " + (f"has no {missing} field(s)" if missing else
+                raise ValueError(f"{where}: {at}bands[{i}] " + (f"has no {missing} field(s)" if missing else
                                  f"has unknown field(s) {extra}") + "; a band records upto, validated_at, options")  # fmt: skip
-            options = PolicyOptions.from_dict(b["options"], f"{where}: bands[{i}].options")
+            options = PolicyOptions.from_dict(b["options"], f"{where}: {at}bands[{i}].options")
             bands.append(Band(b["upto"], options, b["validated_at"]))
         try:
-            return cls(bands, d.get("default_band", 0), d.get("candidates", {}), d.get("validation", {}))
+            return cls(d.get("length"), bands, d.get("default_band", 0), d.get("candidates", {}),
+                       d.get("validation", {}))  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"{where}: {at}{e}") from None
+
+
+OUTSIDE = 2.0
+"""A context is outside a policy's validated lengths when it is more than this factor shorter than the shortest or
+longer than the longest (:meth:`InferencePolicy.outside`)."""
+
+
+@dataclass
+class InferencePolicy:
+    """The ratio bands of every validated context length (:class:`LengthBand`), and how they were chosen.
+
+    Lookup (:meth:`band`): the length band of the validated length nearest to the context's on a log scale (edges at
+    the geometric means of neighbouring lengths, a context on an edge going to the shorter band: validated at 1024,
+    2048, 4096 and 8192 the bands cover ``[1, 1448]``, ``(1448, 2896]``, ``(2896, 5793]``, ``(5793, ∞)``), then the
+    ratio band of that length as :meth:`LengthBand.band` says. A context more than a factor :data:`OUTSIDE` (2)
+    shorter than the shortest validated length or longer than the longest is *outside* the validated lengths
+    (:meth:`outside`): it still gets the nearest band, and the ``core`` press warns once per length band.
+
+    Attributes:
+        lengths: Ascending by ``length``, no two equal; a policy written before lengths were recorded (version 1)
+            loads as one length band at its ``validation.context_tokens``.
+    """
+
+    lengths: list[LengthBand]
+    v1: bool = field(default=False, repr=False, compare=False)  # read from a version-1 record: fields at the top
+
+    def __post_init__(self):
+        if not self.lengths:
+            raise ValueError("lengths: an inference policy needs at least one length band")
+        known = [lb.length for lb in self.lengths]
+        if None in known and len(known) > 1:
+            raise ValueError(f"lengths: a policy of several length bands records each one's length, got {known}")
+        if None not in known and (known != sorted(known) or len(set(known)) != len(known)):
+            raise ValueError(f"lengths: must be in ascending order of 'length', no two equal, got {known}")
+
+    @property
+    def validated_lengths(self) -> list[int | None]:
+        return [lb.length for lb in self.lengths]
+
+    def length_band(self, tokens: int | None) -> LengthBand:
+        """The length band of a context of ``tokens`` tokens: the nearest validated length on a log scale (``None``:
+        the shortest band)."""
+        if tokens is None:
+            return self.lengths[0]
+        for a, b in zip(self.lengths, self.lengths[1:], strict=False):
+            if tokens <= math.sqrt(a.length * b.length):
+                return a
+        return self.lengths[-1]
+
+    def outside(self, tokens: int) -> bool:
+        """Whether ``tokens`` is more than a factor :data:`OUTSIDE` beyond the shortest or the longest validated
+        length (never for a policy whose length is not recorded)."""
+        low, high = self.lengths[0].length, self.lengths[-1].length
+        return low is not None and (tokens * OUTSIDE < low or tokens > high * OUTSIDE)
+
+    def band(self, ratio: float | None, tokens: int | None = None) -> Band:
+        """The band of ``ratio`` (``None``: the default band) at a context of ``tokens`` (``None``: the shortest
+        validated length)."""
+        return self.length_band(tokens).band(ratio)
+
+    def for_ratio(self, ratio: float | None, tokens: int | None = None) -> PolicyOptions:
+        return self.band(ratio, tokens).options
+
+    def check_layers(self, num_layers: int, where: str = "inference_policy") -> None:
+        """Every band's (and recorded candidate's) memory layers exist in a model of ``num_layers`` layers."""
+        for i, lb in enumerate(self.lengths):
+            lb.check_layers(num_layers, f"{where}: " + ("" if self.v1 else f"lengths[{i}]."))
+
+    def to_dict(self) -> dict:
+        return {"version": POLICY_VERSION, "lengths": [lb.to_dict() for lb in self.lengths]}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "inference_policy") -> InferencePolicy:
+        """The policy of a recorded dict; every field is checked, a bad one raises ``ValueError`` naming ``where`` (the
+        file) and the field. A version-1 record (one length: ``bands``, ``default_band``, ``candidates``,
+        ``validation`` at the top) becomes one length band at ``validation.context_tokens``."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: an inference policy is a JSON object, got {d!r}")
+        version = d.get("version")
+        if version not in (1, POLICY_VERSION):
+            raise ValueError(f"{where}: version {version!r}, this code reads v1 and v{POLICY_VERSION}")
+        allowed = V1_FIELDS if version == 1 else RECORD_FIELDS
+        unknown = sorted(set(d) - allowed)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; a v{version} policy records {sorted(allowed)}")
+        if version == 1:
+            validation = d.get("validation", {})
+            length = validation.get("context_tokens") if isinstance(validation, dict) else None
+            if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+                raise ValueError(f"{where}: validation.context_tokens must be a positive number of tokens, got "
+                                 f"{length!r}")  # fmt: skip
+            return cls([LengthBand.from_dict({**d, "length": length}, where)], v1=True)
+        if "lengths" not in d:
+            raise ValueError(f"{where}: no 'lengths' field")
+        if not isinstance(d["lengths"], list):
+            raise ValueError(f"{where}: lengths must be a list of length bands, got {d['lengths']!r}")
+        bands = []
+        for i, lb in enumerate(d["lengths"]):
+            if not isinstance(lb, dict):
+                raise ValueError(f"{where}: lengths[{i}] must be a mapping (length, bands, default_band, candidates, "
+                                 f"validation), got {lb!r}")  # fmt: skip
+            if "length" not in lb:
+                raise ValueError(f"{where}: lengths[{i}] has no 'length' field")
+            extra = sorted(set(lb) - LENGTH_FIELDS)
+            if extra:
+                raise ValueError(f"{where}: lengths[{i}] has unknown field(s) {extra}; a length band records "
+                                 f"{sorted(LENGTH_FIELDS)}")  # fmt: skip
+            bands.append(LengthBand.from_dict(lb, where, f"lengths[{i}]."))
+        try:
+            return cls(bands)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
     @classmethod
-    def single(cls, options: PolicyOptions, **record) -> InferencePolicy:
-        """One band for every ratio."""
-        return cls([Band(1.0, options, 0.75)], **record)
+    def single(cls, options: PolicyOptions, length: int | None = None, **record) -> InferencePolicy:
+        """One band for every ratio, at one length (``None``: not recorded)."""
+        return cls([LengthBand(length, [Band(1.0, options, 0.75)], **record)])
 
 
 # The validation prompts' tasks (built by core_kv.eval.validation, which the policy stage runs; named here, below both)
@@ -293,8 +406,10 @@ class PolicyStageConfig:
         enabled: Run the stage (``false``: the artifact keeps no policy, i.e. runs the paper's press).
         ratios: Validation ratios; each gets its band (edges halfway between them, :func:`bands_from_choices`).
         tasks: Validation tasks (:data:`VALIDATION_TASKS`).
-        length: Context tokens per validation prompt.
-        per_task: Prompts per task (the same prompts for every candidate and ratio).
+        lengths: Context tokens of the validation prompts: the policy gets a length band per entry (ascending), chosen
+            on prompts of that length (``[1024, 2048, 4096, 8192]``: one per served length).
+        per_task: Prompts per task: one number for every length, or one per entry of ``lengths`` (fewer at long
+            lengths: ``[5, 5, 3, 2]``); the same prompts for every candidate and ratio of a length.
         seed: Validation seed (>= :data:`MIN_SEED`).
         candidates: Compositions to compare, each a mapping of :class:`PolicyOptions` fields; empty = the 14 of
             :func:`candidate_grid`.
@@ -303,8 +418,8 @@ class PolicyStageConfig:
     enabled: bool = True
     ratios: list[float] = field(default_factory=lambda: [0.5, 0.75, 0.9])
     tasks: list[str] = field(default_factory=lambda: list(VALIDATION_TASKS))
-    length: int = 2048
-    per_task: int = 5
+    lengths: list[int] = field(default_factory=lambda: [2048])
+    per_task: int | list[int] = 5
     seed: int = MIN_SEED
     candidates: list[dict] = field(default_factory=list)
 
@@ -319,10 +434,19 @@ class PolicyStageConfig:
         bad = [t for t in self.tasks if t not in VALIDATION_TASKS]
         if not self.tasks or bad:
             raise ValueError(f"{prefix}tasks must be a non-empty subset of {list(VALIDATION_TASKS)}, got {self.tasks}")
-        for name, low in (("length", 64), ("per_task", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{prefix}{name} must be an integer >= {low}, got {v!r}")
+        if not isinstance(self.lengths, list) or not self.lengths or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in self.lengths
+        ):
+            raise ValueError(f"{prefix}lengths must be a non-empty list of integers >= 64, got {self.lengths!r}")
+        if self.lengths != sorted(set(self.lengths)):
+            raise ValueError(f"{prefix}lengths must be ascending without repeats, got {self.lengths}")
+        counts = self.per_task if isinstance(self.per_task, list) else [self.per_task]
+        if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+            raise ValueError(f"{prefix}per_task must be an integer >= 1 or a list of them (one per entry of "
+                             f"{prefix}lengths), got {self.per_task!r}")  # fmt: skip
+        if isinstance(self.per_task, list) and len(self.per_task) != len(self.lengths):
+            raise ValueError(f"{prefix}per_task lists {len(self.per_task)} counts for {len(self.lengths)} lengths "
+                             f"({prefix}lengths={self.lengths}): give one per length, or one number for all")  # fmt: skip
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < MIN_SEED:
             raise ValueError(f"{prefix}seed must be an integer >= {MIN_SEED} (lower seeds are evaluation draws), "
                              f"got {self.seed!r}")  # fmt: skip
@@ -340,6 +464,11 @@ class PolicyStageConfig:
         """The candidates' memory layer lists name layers of a model of ``num_layers`` layers."""
         for i, c in enumerate(self.candidate_options()):
             c.check_layers(num_layers, f"{prefix}candidates[{i}]")
+
+    def per_length(self) -> list[tuple[int, int]]:
+        """``(length, prompts per task)`` for every validation length."""
+        counts = self.per_task if isinstance(self.per_task, list) else [self.per_task] * len(self.lengths)
+        return list(zip(self.lengths, counts, strict=True))
 
     def candidate_options(self) -> list[PolicyOptions]:
         if not self.candidates:
@@ -362,6 +491,6 @@ def bands_from_choices(choices: dict[float, PolicyOptions]) -> list[Band]:
 
 
 __all__ = [
-    "HEAD_BUDGETS", "HEAD_POOLS", "MIN_SEED", "PAPER", "VALIDATION_TASKS", "Band", "InferencePolicy", "PolicyOptions",
-    "PolicyStageConfig", "bands_from_choices", "candidate_grid", "complexity",
+    "HEAD_BUDGETS", "HEAD_POOLS", "MIN_SEED", "OUTSIDE", "PAPER", "VALIDATION_TASKS", "Band", "InferencePolicy",
+    "LengthBand", "PolicyOptions", "PolicyStageConfig", "bands_from_choices", "candidate_grid", "complexity",
 ]  # fmt: skip

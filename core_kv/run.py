@@ -59,10 +59,12 @@ def choose_policy(cfg, summary: dict) -> dict:
     text = report.read_text(encoding="utf-8") if report.is_file() else ""
     cut = text.find("## Inference policy")
     atomic_write_text(report, (text[:cut] if cut >= 0 else text).rstrip() + "\n\n" + policy_markdown(policy))
-    for b in policy.bands:
-        print(f"[policy] ratios up to {b.upto:g}: {b.options.describe()} (validated at {b.validated_at:g})")
-    print(f"[policy] recorded in {cfg_file} after {policy.validation['seconds']:.0f} s (every candidate's scores: "
-          f"{report})")  # fmt: skip
+    for lb in policy.lengths:
+        for b in lb.bands:
+            print(f"[policy] {lb.length} tokens, ratios up to {b.upto:g}: {b.options.describe()} (validated at "
+                  f"{b.validated_at:g})")  # fmt: skip
+    seconds = sum(lb.validation["seconds"] for lb in policy.lengths)
+    print(f"[policy] recorded in {cfg_file} after {seconds:.0f} s (every candidate's scores: {report})")
     return summary
 
 

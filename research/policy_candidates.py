@@ -53,20 +53,25 @@ def parse_candidates(texts: list[str]) -> list:
 
 
 def recorded_policy(artifact: Path) -> tuple[dict, dict]:
-    """``(config.json, its inference_policy)`` of ``artifact``, the policy checked field by field and its
-    ``validation`` record holding what rebuilding the prompts reads (a missing field exits naming it)."""
+    """``(config.json, the length band of its inference_policy)`` of ``artifact``, the policy checked field by field
+    (one validated length) and its ``validation`` record holding what rebuilding the prompts reads (a missing field
+    exits naming it)."""
     from core_kv.files import read_json
     from core_kv.policy import InferencePolicy
 
     cfg_file = artifact / "config.json"
     config = read_json(cfg_file, "CORE config")
     policy = config.get("inference_policy") if isinstance(config, dict) else None
-    if not policy or not policy.get("validation"):
+    if not policy or not (policy.get("validation") or policy.get("lengths")):
         raise SystemExit(f"{cfg_file}: records no policy stage (no validation prompts to rebuild)")
     try:
-        InferencePolicy.from_dict(policy, f"{cfg_file}: inference_policy")
+        lengths = InferencePolicy.from_dict(policy, f"{cfg_file}: inference_policy").lengths
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if len(lengths) > 1:
+        raise SystemExit(f"{cfg_file}: the policy was validated at {len(lengths)} lengths; this script rescores a "
+                         "one-length policy")  # fmt: skip
+    policy = lengths[0].to_dict()  # the length band: bands, candidates, validation (a version-1 record's fields)
     val = policy["validation"]
     missing = [f"validation.{k}" for k in VALIDATION_FIELDS if k not in val]
     if not missing:
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     from core_kv.eval.validation import validation_set
     from core_kv.files import atomic_write_json
     from core_kv.models.loading import load_model
-    from core_kv.policy import InferencePolicy, PolicyOptions, bands_from_choices
+    from core_kv.policy import InferencePolicy, LengthBand, PolicyOptions, bands_from_choices
     from core_kv.presses.core import compose
     from core_kv.presses.core_scorer import CoreScorerPress
 
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"{args.artifact}: weights {weights} differ from the ones the policy was chosen for")
     options = parse_press_options(args.press_option)
     out = {"artifact": args.artifact, "validation": {k: val[k] for k in ("tasks", "per_task", "context_tokens", "seed")},
-           "recorded": config["inference_policy"]["candidates"], "scores": {}}  # fmt: skip
+           "recorded": policy_record["candidates"], "scores": {}}  # fmt: skip
     for ratio in args.ratios:
         presses = build_labelled_presses(args.methods, options, ratio)
         for c in candidates:
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
             if args.json:
                 atomic_write_json(Path(args.json), out)
     if args.record:
-        policy = config["inference_policy"]
+        policy = policy_record
         table, choices = {}, {}
         for band in policy["bands"]:
             r = band["validated_at"]
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         added += [c.to_dict() for c in candidates if c.to_dict() not in added]
         validation = {**policy["validation"], "rule": RULE,
                       "extended": {"candidates": added, "by": "research.policy_candidates"}}  # fmt: skip
-        record(Path(args.artifact), InferencePolicy(bands, default, table, validation))
+        record(Path(args.artifact), InferencePolicy([LengthBand(policy["length"], bands, default, table, validation)]))
         print("recorded:", {r: o.describe() for r, o in choices.items()})
     return out
 

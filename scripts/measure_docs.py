@@ -97,10 +97,13 @@ def train_stages(out: Path, teacher: Path) -> dict:
     teacher it built, less the teacher) and the policy stage's."""
     built = json.loads((teacher / "metrics.json").read_text())["throughput"]["wall_s"]
     stages = {"teacher": built, "distillation": json.loads((out / "summary.json").read_text())["wall_s"] - built}
-    policy = json.loads((out / "final" / "config.json").read_text()).get("inference_policy")
-    if policy:
-        stages["policy"] = policy["validation"]["seconds"]
-        stages["policy_prompts"] = policy["validation"]["prompts"]
+    recorded = json.loads((out / "final" / "config.json").read_text()).get("inference_policy")
+    if recorded:
+        from core_kv.policy import InferencePolicy
+
+        lengths = InferencePolicy.from_dict(recorded).lengths
+        stages["policy"] = sum(lb.validation["seconds"] for lb in lengths)
+        stages["policy_prompts"] = sum(lb.validation["prompts"] for lb in lengths)
     return {k: round(v, 1) for k, v in stages.items()}
 
 
@@ -147,7 +150,8 @@ def measure_quick_policy(work: Path, prompts: int = 2) -> dict:
     cfg = recipe.policy
     model, tok = load_model(recipe.teacher.model.path)
     artifact = str(ROOT / "checkpoints" / "core-smollm2" / "final")
-    chosen = validation_set(tok, cfg.tasks, cfg.length, cfg.per_task, cfg.seed)[:prompts]
+    (length, per_task), = cfg.per_length()  # the quick recipe validates at one length
+    chosen = validation_set(tok, cfg.tasks, length, per_task, cfg.seed)[:prompts]
     presses = [None] + [compose(CoreScorerPress(checkpoint=artifact, compression_ratio=0.75), c)
                         for c in cfg.candidate_options()]  # fmt: skip
     score_prompt(model, tok, chosen[0], None)  # warm-up
@@ -156,10 +160,10 @@ def measure_quick_policy(work: Path, prompts: int = 2) -> dict:
         for press in presses:
             score_prompt(model, tok, p, press)
     per = (time.perf_counter() - t0) / (len(chosen) * len(presses))
-    n = len(cfg.tasks) * cfg.per_task
+    n = len(cfg.tasks) * per_task
     total = n * (1 + len(cfg.ratios) * len(cfg.candidate_options()))
     return {"command": "scripts/measure_docs.py quick_policy (one thread)", "seconds_per_prefill": round(per, 2),
-            "size": cost_line(n, cfg.length, len(cfg.ratios), len(cfg.candidate_options())),
+            "size": cost_line(n, length, len(cfg.ratios), len(cfg.candidate_options())),
             "estimate_s": round(per * total, 1)}  # fmt: skip
 
 

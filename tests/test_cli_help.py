@@ -175,7 +175,7 @@ def test_a_no_argument_train_runs_default_yaml_and_help_shows_those_values(capsy
     default_yaml = load_config(TrainConfig, [str(ROOT / "configs" / "train" / "default.yaml")])
     assert to_dict(load_config(TrainConfig, [])) == to_dict(default_yaml)
     blocks = _blocks(_run_help("train.py", "file", capsys, monkeypatch))
-    assert blocks["policy.length"].split("\n")[0].endswith("= 512")
+    assert blocks["policy.lengths"].split("\n")[0].endswith("= [512]")
     assert blocks["policy.per_task"].split("\n")[0].endswith("= 2")
     shown = blocks["policy.candidates"].split("\n")[0]
     assert shown.endswith("= [{}, {'memory': False}, {'head_budgets': 'adaptive', 'memory': False}, {'head_budgets': "

@@ -486,8 +486,11 @@ RECORD_CASES = [
     ("default_band", True, r"default_band must be the index of a band \(an integer\), got True"),
     ("default_band", 3, r"default_band 3 is not one of the 3 bands \(0-2\)"),
     ("default_band", -1, r"default_band -1 is not one of the 3 bands"),
-    ("version", 2, r"version 2, this code reads v1"),
-    ("version", DELETE, r"version None, this code reads v1"),
+    ("version", 3, r"version 3, this code reads v1 and v2"),
+    ("version", DELETE, r"version None, this code reads v1 and v2"),
+    ("lengths", [], r"unknown field\(s\) \['lengths'\]; a v1 policy records"),
+    ("validation/context_tokens", "2k", r"validation\.context_tokens must be a positive number of tokens, got '2k'"),
+    ("validation/context_tokens", 0, r"validation\.context_tokens must be a positive number of tokens, got 0"),
     ("colour", "red", r"unknown field\(s\) \['colour'\]"),
     ("candidates", [], r"candidates must be a mapping of ratios to scored candidates"),
     ("candidates/abc", [], r"candidates: key 'abc' is not a compression ratio in \(0, 1\)"),
@@ -501,16 +504,74 @@ RECORD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("field, value, message", RECORD_CASES, ids=[f"{c[0]}={c[1]!r}" for c in RECORD_CASES])
-def test_every_field_of_a_damaged_policy_record_is_named_with_its_file(tmp_path, field, value, message):
+# a version-2 record (issue 56: one length band per validated length): the shipped record at 512 and 2048 tokens
+V2_CASES = [
+    ("lengths/1/length", "2k", r"lengths\[1\]\.length must be a positive number of context tokens, got '2k'"),
+    ("lengths/1/length", 0, r"lengths\[1\]\.length must be a positive number of context tokens, got 0"),
+    ("lengths/1/length", True, r"lengths\[1\]\.length must be a positive number of context tokens, got True"),
+    ("lengths/1/length", 512, r"lengths: must be in ascending order of 'length', no two equal, got \[512, 512\]"),
+    ("lengths/0/length", 4096, r"lengths: must be in ascending order of 'length', no two equal, got \[4096, 2048\]"),
+    ("lengths/1/length", None, r"lengths: a policy of several length bands records each one's length"),
+    ("lengths/0/length", DELETE, r"lengths\[0\] has no 'length' field"),
+    ("lengths/0/colour", "red", r"lengths\[0\] has unknown field\(s\) \['colour'\]; a length band records"),
+    ("lengths/0", 512, r"lengths\[0\] must be a mapping \(length, bands, default_band, candidates, validation\)"),
+    ("lengths", {}, r"lengths must be a list of length bands"),
+    ("lengths", [], r"lengths: an inference policy needs at least one length band"),
+    ("lengths", DELETE, r"no 'lengths' field"),
+    ("bands", [], r"unknown field\(s\) \['bands'\]; a v2 policy records \['lengths', 'version'\]"),
+    ("lengths/1/bands/0/upto", "abc", r"lengths\[1\]\.bands\[0\]\.upto \(a compression ratio\) must be a finite number"),
+    ("lengths/1/bands/1/upto", 0.5, r"lengths\[1\]\.bands: must be in ascending order of 'upto'"),
+    ("lengths/1/bands/0/options/colour", "red", r"lengths\[1\]\.bands\[0\]\.options: unknown policy option"),
+    ("lengths/1/bands/0/extra", 1, r"lengths\[1\]\.bands\[0\] has unknown field\(s\) \['extra'\]"),
+    ("lengths/1/bands/0/options/memory", "0-99", r"lengths\[1\]\.bands\[0\]\.options: memory '0-99' names layers"),
+    ("lengths/1/bands", DELETE, r"no 'lengths\[1\]\.bands' field"),
+    ("lengths/0/default_band", 3, r"lengths\[0\]\.default_band 3 is not one of the 3 bands"),
+    ("lengths/1/candidates/abc", [], r"lengths\[1\]\.candidates: key 'abc' is not a compression ratio"),
+    ("lengths/1/candidates/0.5/0/options/memory", "0-9", r"lengths\[1\]\.candidates\['0\.5'\]\[0\]\.options: memory"),
+    ("lengths/0/validation", [], r"lengths\[0\]\.validation must be a mapping"),
+]
+
+
+def _two_lengths(edit):
+    """An edit of the shipped (version-1) record rewritten as a version-2 one validated at 512 and 2048 tokens."""
+    from dataclasses import replace
+
+    from core_kv.policy import InferencePolicy
+
+    def v2(record):
+        one = InferencePolicy.from_dict(dict(record)).lengths[0]
+        record.clear()
+        record.update(json.loads(json.dumps(InferencePolicy([one, replace(one, length=2048)]).to_dict())))
+        edit(record)
+
+    return v2
+
+
+@pytest.mark.parametrize(
+    "version, field, value, message",
+    [(1, *c) for c in RECORD_CASES] + [(2, *c) for c in V2_CASES],
+    ids=[f"v1:{c[0]}={c[1]!r}" for c in RECORD_CASES] + [f"v2:{c[0]}={c[1]!r}" for c in V2_CASES],
+)
+def test_every_field_of_a_damaged_policy_record_is_named_with_its_file(tmp_path, version, field, value, message):
     """``upto: "abc"`` gave ``could not convert string to float`` (no file, no field); NaN passed the order check; a
-    negative edge, ``default_band: 1.7`` (truncated) and memory in layers the model lacks were accepted."""
+    negative edge, ``default_band: 1.7`` (truncated) and memory in layers the model lacks were accepted. Version 2
+    (a length band per validated length) names the length band's index with the field."""
     from core_kv.core_model import CoreModel
 
     edit = _set(field, value)
-    art = _with_policy(tmp_path, edit)
+    art = _with_policy(tmp_path, edit if version == 1 else _two_lengths(edit))
     with pytest.raises(ValueError, match=rf"{art / 'config.json'}: inference_policy: {message}"):
         CoreModel.from_pretrained(art)
+
+
+def test_the_undamaged_two_length_record_loads():
+    """The version-2 rewrite the damage cases start from is itself valid, and round-trips."""
+    from core_kv.policy import InferencePolicy
+
+    record = json.loads((ROOT / "checkpoints" / "core-proxy" / "final" / "config.json").read_text())["inference_policy"]
+    _two_lengths(lambda r: None)(record)
+    policy = InferencePolicy.from_dict(record)
+    assert policy.validated_lengths == [512, 2048] and policy.to_dict() == record
 
 
 def test_a_memory_layer_list_beyond_the_model_is_named_as_a_candidate_and_as_a_press_override():

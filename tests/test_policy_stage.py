@@ -13,7 +13,9 @@ import pytest
 import core_kv.eval.policy_stage as stage
 from core_kv.core_model import CoreModel
 from core_kv.eval import needles, ruler, validation
-from core_kv.policy import PAPER, InferencePolicy, PolicyOptions, PolicyStageConfig, bands_from_choices, candidate_grid
+from core_kv.policy import (
+    PAPER, InferencePolicy, LengthBand, PolicyOptions, PolicyStageConfig, bands_from_choices, candidate_grid,
+)  # fmt: skip
 from core_kv.presses import build_press
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +40,7 @@ def artifact():
     return ROOT / "checkpoints" / "core-proxy" / "final"
 
 
-SMALL = dict(ratios=[0.5, 0.9], length=160, per_task=1,
+SMALL = dict(ratios=[0.5, 0.9], lengths=[160], per_task=1,
              candidates=[{}, {"memory": False}, {"head_budgets": "adaptive", "memory": False}])  # fmt: skip
 
 
@@ -64,9 +66,11 @@ def test_policy_stage_reads_no_evaluation_context(monkeypatch, tmp_path, artifac
     policy = stage.run_policy_stage(PolicyStageConfig(**SMALL), art, llama, tok, tmp_path / "work", progress=False)
     recorded = json.loads((art / "config.json").read_text())["inference_policy"]
     assert InferencePolicy.from_dict(recorded).to_dict() == policy.to_dict()
-    assert set(recorded["candidates"]) == {"0.5", "0.9"}
-    assert all(len(rows) == 3 for rows in recorded["candidates"].values())
-    v = recorded["validation"]
+    assert recorded["version"] == 2 and [lb["length"] for lb in recorded["lengths"]] == [160]
+    (band,) = recorded["lengths"]
+    assert set(band["candidates"]) == {"0.5", "0.9"}
+    assert all(len(rows) == 3 for rows in band["candidates"].values())
+    v = band["validation"]
     assert v["generator"] == "core_kv.eval.validation" and v["seed"] >= validation.MIN_SEED and "full_cache" in v
 
 
@@ -136,7 +140,7 @@ def test_bands_split_halfway_and_the_press_applies_them(tmp_path, artifact):
     assert [b.upto for b in bands] == [0.625, 0.825, 1.0]
     art = tmp_path / "final"
     shutil.copytree(artifact, art)
-    stage.record(art, InferencePolicy(bands, 1))
+    stage.record(art, InferencePolicy([LengthBand(512, bands, 1)]))
     for ratio, want in ((0.3, choices[0.5]), (0.625, choices[0.5]), (0.7, choices[0.75]), (0.95, choices[0.9])):
         press = build_press("core", checkpoint=str(art), compression_ratio=ratio)
         assert press.options == want and press.overrides() == {}
@@ -170,17 +174,74 @@ def test_stage_resumes_from_its_cached_scores_and_refreshes_them_for_new_weights
     assert f"{size}; 20 still to run" in out
     assert re.search(r"\[policy\] [\d.]+ s per prompt: about [\d.]+ min for the 20 to run", out), out
     second = stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
-    assert len(calls) == n and second.candidates == first.candidates  # everything came from the cache
+    assert len(calls) == n and second.lengths[0].candidates == first.lengths[0].candidates  # all from the cache
     assert "= 20 prefills; 0 still to run" in capsys.readouterr().out
     more = PolicyStageConfig(**{**SMALL, "candidates": [{}, {"memory": False}, {"repair": True}]})
     third = stage.run_policy_stage(more, art, llama, tok, tmp_path / "work", progress=False)
     assert len(calls) == n + 4 * 2  # a candidate added: only its 2 ratios x 4 prompts scored, the rest kept
-    assert {r: rows[:2] for r, rows in third.candidates.items()} == first.candidates
+    assert {r: rows[:2] for r, rows in third.lengths[0].candidates.items()} == first.lengths[0].candidates
     core = CoreModel.from_pretrained(art)
     core.indexer.temperature.fill_(3.0)
     core.save_pretrained(art)
     stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
     assert len(calls) == 2 * n + 4 * 2  # other weights: every score recomputed
+
+
+def test_the_stage_validates_at_every_length_with_its_own_prompt_count(monkeypatch, tmp_path, artifact, llama, tok,
+                                                                        capsys):  # fmt: skip
+    """``policy.lengths`` gives one length band per length, each chosen on prompts of that length (``per_task`` per
+    length), with its cost line and its own resumable folder; a length band is exactly what a one-length stage at that
+    length records, and the full cache answers each prompt once."""
+    import shutil
+
+    art, alone = tmp_path / "final", tmp_path / "alone"
+    shutil.copytree(artifact, art)
+    shutil.copytree(artifact, alone)
+    small = dict(ratios=[0.75], tasks=["single_noise", "multikey_prose"],
+                 candidates=[{}, {"head_budgets": "adaptive", "memory": False}])  # fmt: skip
+    calls = []
+    real = stage.score_prompt
+    monkeypatch.setattr(stage, "score_prompt", lambda m, t, p, press: calls.append(press) or real(m, t, p, press))
+    cfg = PolicyStageConfig(**small, lengths=[128, 256], per_task=[2, 1])
+    policy = stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
+    assert len(calls) == 4 * 3 + 2 * 3 and sum(p is None for p in calls) == 4 + 2  # full cache: once per prompt
+    out = capsys.readouterr().out
+    assert "[policy] 4 prompts of 128 tokens x (1 full cache + 1 ratios x 2 candidates) = 12 prefills; 12 still" in out
+    assert "[policy] 2 prompts of 256 tokens x (1 full cache + 1 ratios x 2 candidates) = 6 prefills; 6 still" in out
+    recorded = InferencePolicy.from_dict(json.loads((art / "config.json").read_text())["inference_policy"])
+    assert recorded == policy and recorded.validated_lengths == [128, 256]
+    for lb, per_task in zip(recorded.lengths, (2, 1), strict=True):
+        v = lb.validation
+        assert (v["context_tokens"], v["per_task"], v["prompts"]) == (lb.length, per_task, 2 * per_task)
+        assert set(lb.candidates) == {"0.75"} and len(lb.candidates["0.75"]) == 2
+    assert {p.name for p in (tmp_path / "work").iterdir()} == {"128", "256"}
+    one = stage.run_policy_stage(PolicyStageConfig(**small, lengths=[256], per_task=1), alone, llama, tok,
+                                 tmp_path / "work_alone", progress=False)  # fmt: skip
+    drop = lambda lb: {**lb.to_dict(), "validation": {k: v for k, v in lb.validation.items() if k != "seconds"}}  # noqa: E731
+    assert drop(one.lengths[0]) == drop(recorded.lengths[1])
+    stage.run_policy_stage(cfg, art, llama, tok, tmp_path / "work", progress=False)
+    assert len(calls) == 18 + 6 and "= 12 prefills; 0 still to run" in capsys.readouterr().out  # resumed: nothing
+    markdown = stage.policy_markdown(recorded)  # the report's policy table names the length of every band
+    assert "| 128 | (0, 1] | 0.75 |" in markdown and "| 256 | (0, 1] | 0.75 |" in markdown
+    assert "### 128 tokens" in markdown and "### 256 tokens" in markdown
+
+
+def test_stage_lengths_are_checked_against_the_window_and_per_task(llama, tok, tmp_path, artifact):
+    from core_kv.models.loading import ContextWindowError
+
+    window = llama.config.max_position_embeddings
+    with pytest.raises(ContextWindowError, match=rf"^policy\.lengths\[1\]={window * 2:,} exceeds the context window"):
+        stage.run_policy_stage(PolicyStageConfig(lengths=[128, window * 2]), artifact, llama, tok, tmp_path / "w")
+    for bad, what in (({"lengths": []}, r"policy\.lengths must be a non-empty list"),
+                      ({"lengths": [256, 128]}, r"policy\.lengths must be ascending without repeats"),
+                      ({"lengths": [128, 128]}, r"policy\.lengths must be ascending without repeats"),
+                      ({"lengths": [32]}, r"policy\.lengths must be a non-empty list of integers >= 64"),
+                      ({"per_task": 0}, r"policy\.per_task must be an integer >= 1 or a list"),
+                      ({"lengths": [128, 256], "per_task": [2]}, r"policy\.per_task lists 1 counts for 2 lengths"),
+                      ({"lengths": [128, 256], "per_task": [2, 0]}, r"policy\.per_task must be an integer >= 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            PolicyStageConfig(**bad).check()
+    assert PolicyStageConfig(lengths=[128, 256], per_task=3).per_length() == [(128, 3), (256, 3)]
 
 
 def test_candidate_grid_and_bad_policy_options():

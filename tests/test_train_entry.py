@@ -557,8 +557,8 @@ def test_the_policy_printed_is_the_policy_the_artifact_holds(tmp_path, monkeypat
     printed = capsys.readouterr().out
     held = InferencePolicy.from_dict(recorded)
     assert summary["policy"] == held.to_dict() and "shared, memory off" not in printed
-    for b in held.bands:
-        assert f"[policy] ratios up to {b.upto:g}: {b.options.describe()}" in printed
+    for b in held.lengths[0].bands:
+        assert f"[policy] 512 tokens, ratios up to {b.upto:g}: {b.options.describe()}" in printed
     assert policy_stage.policy_markdown(held) in (out / "report.md").read_text()
 
 

@@ -43,7 +43,7 @@ def _proxy_policy() -> PolicyStageConfig:
     ``configs/train/smollm2.yaml``). The proxy answers no reworded needle (accuracy 0 for every candidate), so its
     choice rests on the answer log-prob."""
     return PolicyStageConfig(
-        length=512,
+        lengths=[512],
         per_task=2,
         candidates=[
             {},  # the paper's press

@@ -166,7 +166,7 @@ class Trainer(RunContext):
         cfg = self.cfg
         out = {"teacher.data.max_len": cfg.teacher.data.max_len}
         policy = cfg.policy.enabled and self.tok is not None  # without a tokenizer the policy stage is skipped
-        return out | ({"policy.length": cfg.policy.length} if policy else {})
+        return out | ({f"policy.lengths[{i}]": n for i, n in enumerate(cfg.policy.lengths)} if policy else {})
 
     def run_key(self) -> dict:
         """What the run folder's contents depend on: base model + every training-relevant option."""

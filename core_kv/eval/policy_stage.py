@@ -12,11 +12,15 @@ haystacks and seeds; no evaluation context is ever read), and the answer is scor
 - ``logprob``: the mean log-probability of the answer tokens (averaged per prompt, then over prompts).
 
 The chosen composition at a ratio is the one of highest accuracy, then highest log-probability, then the fewest
-changes to the paper's press. Bands of ratios get the choice of their validation ratio (edges halfway between), and
-``final/config.json`` records the policy, every candidate's scores, the full cache's scores on the same prompts and
-how the validation set was made. Results of each (ratio, candidate) are kept in ``<run>/stages/policy/`` (atomic
-writes), so an interrupted stage resumes; they are discarded when the artifact's weights or the stage's options
-change.
+changes to the paper's press. Bands of ratios get the choice of their validation ratio (edges halfway between). All of
+this is done at every validation length (``policy.lengths``, with ``policy.per_task`` prompts per task there: fewer at
+long lengths), which gives the policy one length band per length (:class:`~core_kv.policy.LengthBand`; the press runs
+the one nearest to a context's length); ``final/config.json`` records, per length, the bands, every candidate's
+scores, the full cache's scores on the same prompts and how the validation set was made. The full cache answers each
+prompt once (its scores are every candidate's reference). Results of each (length, ratio, candidate) are kept in
+``<run>/stages/policy/<length>/`` (atomic writes), so an interrupted stage resumes; a length's are discarded when the
+artifact's weights or the options that make its prompts change (a stage folder written before lengths existed, with
+its files directly in ``stages/policy/``, is not read).
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from core_kv.eval.validation import validation_set
 from core_kv.files import atomic_write_json
 from core_kv.models.loading import check_context_window, check_lengths
 from core_kv.pipeline import encode, prefill
-from core_kv.policy import InferencePolicy, PolicyOptions, PolicyStageConfig, bands_from_choices, complexity
+from core_kv.policy import (
+    InferencePolicy, LengthBand, PolicyOptions, PolicyStageConfig, bands_from_choices, complexity,
+)  # fmt: skip
 from core_kv.presses.base import BasePress
 from core_kv.presses.core import compose
 from core_kv.presses.core_scorer import CoreScorerPress
@@ -84,13 +90,13 @@ def choose(results: list[tuple[PolicyOptions, dict]]) -> PolicyOptions:
     return max(results, key=lambda x: (x[1]["accuracy"], x[1]["logprob"], -complexity(x[0])))[0]
 
 
-def stage_key(cfg: PolicyStageConfig, artifact: Path, prompts) -> dict:
-    """What the stage's cached results depend on: its options, the artifact's weights, the prompts' text. Not the
-    candidates or the ratios: each (ratio, candidate) result is cached under its own name, so adding or removing a
-    candidate keeps the scores already computed."""
+def stage_key(cfg: PolicyStageConfig, artifact: Path, prompts, length: int, per_task: int) -> dict:
+    """What the cached results of one validation length depend on: the options that make its prompts, the artifact's
+    weights, the prompts' text. Not the candidates or the ratios: each (ratio, candidate) result is cached under its
+    own name, so adding or removing a candidate keeps the scores already computed; nor the other lengths."""
     weights = hashlib.sha256((artifact / "model.safetensors").read_bytes()).hexdigest()[:16]
     text = hashlib.sha256(json.dumps([asdict(p) for p in prompts]).encode()).hexdigest()[:16]
-    options = {k: v for k, v in to_dict(cfg).items() if k not in ("candidates", "ratios")}
+    options = {"tasks": list(cfg.tasks), "length": length, "per_task": per_task, "seed": cfg.seed}
     return {"options": options, "weights": weights, "prompts": text}
 
 
@@ -108,26 +114,17 @@ def run_policy_stage(
     progress: bool = True,
     candidate: Callable[[Path, float, PolicyOptions], BasePress | None] | None = None,
 ) -> InferencePolicy:
-    """Score every candidate at every ratio, choose, and record the policy in ``artifact``'s ``config.json``.
+    """Score every candidate at every ratio and validation length, choose, and record the policy in ``artifact``'s
+    ``config.json`` (one length band per entry of ``cfg.lengths``).
 
     ``candidate(artifact, ratio, options)`` builds a candidate's press, ``None`` where it does not apply to this
     artifact (left out; refused when ``cfg.candidates`` names it); default :func:`core_candidate`."""
     candidate = candidate or core_candidate
     artifact, work = Path(artifact), Path(work_dir)
-    t0 = time.perf_counter()
     config = artifact_config(artifact)  # of any registered kind
-    check_lengths(model, {"policy.length": cfg.length}, "the base model")  # before building prompts that long
+    # before building prompts that long
+    check_lengths(model, {f"policy.lengths[{i}]": n for i, n in enumerate(cfg.lengths)}, "the base model")
     cfg.check_layers(config.num_layers)
-    prompts = validation_set(tokenizer, cfg.tasks, cfg.length, cfg.per_task, cfg.seed)
-    check_context_window(model, max(prompt_tokens(tokenizer, p) for p in prompts),
-                         f"policy.length={cfg.length}: the longest validation prompt (context, question and answer)")  # fmt: skip
-    key = stage_key(cfg, artifact, prompts)
-    key_file = work / "key.json"
-    if key_file.is_file() and json.loads(key_file.read_text()) != key:
-        for f in work.glob("*.json"):  # another artifact or other options: the cached scores do not apply
-            f.unlink()
-    work.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(key_file, key)
     candidates = cfg.candidate_options()
     if candidate is not core_candidate:  # a plugin's stack: keep the candidates that apply to its artifact
         applies = [c for c in candidates if candidate(artifact, cfg.ratios[0], c) is not None]
@@ -135,11 +132,49 @@ def run_policy_stage(
             refused = [c.describe() for c in candidates if c not in applies]
             raise ValueError(f"policy.candidates: {refused} do not apply to {artifact}")
         candidates = applies
+    bands = [
+        validate_at(cfg, i, length, per_task, artifact, model, tokenizer, work / str(length), candidates, candidate,
+                    progress)  # fmt: skip
+        for i, (length, per_task) in enumerate(cfg.per_length())
+    ]
+    policy = InferencePolicy(bands)
+    record(artifact, policy)
+    return policy
+
+
+def validate_at(
+    cfg: PolicyStageConfig,
+    index: int,
+    length: int,
+    per_task: int,
+    artifact: Path,
+    model,
+    tokenizer,
+    work: Path,
+    candidates: list[PolicyOptions],
+    candidate: Callable[[Path, float, PolicyOptions], BasePress | None],
+    progress: bool,
+) -> LengthBand:
+    """The length band of one validation length (``cfg.lengths[index]``): its prompts scored with the full cache (once
+    per prompt) and with every (ratio, candidate), each result cached in ``work`` (``<out_dir>/stages/policy/<length>``)
+    so an interrupted stage resumes; the choice at every ratio."""
+    t0 = time.perf_counter()
+    prompts = validation_set(tokenizer, cfg.tasks, length, per_task, cfg.seed)
+    check_context_window(model, max(prompt_tokens(tokenizer, p) for p in prompts),
+                         f"policy.lengths[{index}]={length}: the longest validation prompt (context, question and "
+                         "answer)")  # fmt: skip
+    key = stage_key(cfg, artifact, prompts, length, per_task)
+    key_file = work / "key.json"
+    if key_file.is_file() and json.loads(key_file.read_text()) != key:
+        for f in work.glob("*.json"):  # another artifact or other options: the cached scores do not apply
+            f.unlink()
+    work.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(key_file, key)
     jobs = [(None, None)] + [(r, c) for r in cfg.ratios for c in candidates]
     todo = sum(not (work / f"{_label(r, c)}.json").is_file() for r, c in jobs) * len(prompts)
-    print(f"[policy] {cost_line(len(prompts), cfg.length, len(cfg.ratios), len(candidates))}; {todo} still to run",
+    print(f"[policy] {cost_line(len(prompts), length, len(cfg.ratios), len(candidates))}; {todo} still to run",
           flush=True)  # fmt: skip
-    bar = tqdm(total=len(jobs) * len(prompts), desc="policy", disable=not progress, unit="prompt")
+    bar = tqdm(total=len(jobs) * len(prompts), desc=f"policy {length}", disable=not progress, unit="prompt")
     scores: dict = {}
     timed = None  # seconds of the first prompt this invocation scores: the estimate of the rest
     for ratio, options in jobs:
@@ -170,14 +205,12 @@ def run_policy_stage(
         table[str(r)] = [{"label": c.describe(), **s} for c, s in results]
     bands = bands_from_choices(choices)
     default = min(range(len(bands)), key=lambda i: abs(bands[i].validated_at - 0.75))
-    policy = InferencePolicy(
-        bands, default, table,
-        {"generator": "core_kv.eval.validation", "tasks": list(cfg.tasks), "per_task": cfg.per_task,
-         "context_tokens": cfg.length, "seed": cfg.seed, "prompts": len(prompts), "full_cache": scores["full"],
+    return LengthBand(
+        length, bands, default, table,
+        {"generator": "core_kv.eval.validation", "tasks": list(cfg.tasks), "per_task": per_task,
+         "context_tokens": length, "seed": cfg.seed, "prompts": len(prompts), "full_cache": scores["full"],
          "rule": RULE, "seconds": round(time.perf_counter() - t0, 1), "key": key},
     )  # fmt: skip
-    record(artifact, policy)
-    return policy
 
 
 def record(artifact: Path, policy: InferencePolicy) -> None:
@@ -204,27 +237,35 @@ def cost_line(prompts: int, length: int, ratios: int, candidates: int) -> str:
 
 
 def policy_markdown(policy: InferencePolicy) -> str:
-    """The chosen policy and every candidate's validation scores, for the run's report."""
-    v = policy.validation
-    lines = [
-        "## Inference policy (chosen on validation prompts)",
-        "",
-        f"{v.get('prompts')} prompts ({', '.join(v.get('tasks', []))}; {v.get('context_tokens')} tokens; seed "
-        f"{v.get('seed')}; generator `{v.get('generator')}`); full cache: accuracy "
-        f"{v['full_cache']['accuracy']:.2f}, answer log-prob {v['full_cache']['logprob']:.3f}. Rule: {v.get('rule')}.",
-        "",
-        "| ratios | validated at | chosen |",
-        "|---|---|---|",
-    ]
-    lo = 0.0
-    for b in policy.bands:
-        lines.append(f"| ({lo:g}, {b.upto:g}] | {b.validated_at:g} | {b.options.describe()} |")
-        lo = b.upto
-    lines += ["", "| ratio | candidate | accuracy | log-prob |", "|---|---|---|---|"]
-    for r, rows in policy.candidates.items():
-        for row in sorted(rows, key=lambda x: (-x["accuracy"], -x["logprob"])):
-            lines.append(f"| {r} | {row['label']} | {row['accuracy']:.2f} | {row['logprob']:.3f} |")
+    """The chosen policy and every candidate's validation scores, per validated length, for the run's report."""
+    lines = ["## Inference policy (chosen on validation prompts)", "",
+             "| length | ratios | validated at | chosen |", "|---|---|---|---|"]  # fmt: skip
+    for lb in policy.lengths:
+        lo = 0.0
+        for b in lb.bands:
+            lines.append(f"| {_tokens(lb.length)} | ({lo:g}, {b.upto:g}] | {b.validated_at:g} | {b.options.describe()} |")
+            lo = b.upto
+    for lb in policy.lengths:
+        v = lb.validation
+        lines += [
+            "",
+            f"### {_tokens(lb.length)}" + (" tokens" if lb.length is not None else ""),
+            "",
+            f"{v.get('prompts')} prompts ({', '.join(v.get('tasks', []))}; {v.get('context_tokens')} tokens; seed "
+            f"{v.get('seed')}; generator `{v.get('generator')}`); full cache: accuracy "
+            f"{v['full_cache']['accuracy']:.2f}, answer log-prob {v['full_cache']['logprob']:.3f}. Rule: {v.get('rule')}.",
+            "",
+            "| ratio | candidate | accuracy | log-prob |",
+            "|---|---|---|---|",
+        ]
+        for r, rows in lb.candidates.items():
+            for row in sorted(rows, key=lambda x: (-x["accuracy"], -x["logprob"])):
+                lines.append(f"| {r} | {row['label']} | {row['accuracy']:.2f} | {row['logprob']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["RULE", "choose", "policy_markdown", "record", "run_policy_stage", "score_prompt"]
+def _tokens(length: int | None) -> str:
+    return "any" if length is None else str(length)
+
+
+__all__ = ["RULE", "choose", "policy_markdown", "record", "run_policy_stage", "score_prompt", "validate_at"]

@@ -434,7 +434,7 @@ def context_window(model: nn.Module) -> int | None:
 
 
 def check_lengths(model: nn.Module, lengths: dict[str, int], what: str = "the model") -> None:
-    """Raise :class:`ContextWindowError` naming the option when a length option (``{"policy.length": 2048}``)
+    """Raise :class:`ContextWindowError` naming the option when a length option (``{"policy.lengths[0]": 2048}``)
     exceeds the context window of ``model`` (``what`` names it), before anything is built at that length."""
     window = context_window(model)
     over = {k: v for k, v in lengths.items() if window is not None and v > window}

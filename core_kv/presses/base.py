@@ -425,8 +425,10 @@ class BasePress:
         return self._state
 
     @contextmanager
-    def chunked_prefill(self):
-        """Compress after every forward in this block (each chunk of a chunked prefill)."""
+    def chunked_prefill(self, tokens: int | None = None):
+        """Compress after every forward in this block (each chunk of a chunked prefill). ``tokens``: the context's
+        length when known (:func:`core_kv.pipeline.prefill` declares it), for a press whose composition depends on it
+        (``core``: its length band); the others ignore it."""
         previous, self._mode = self._mode, "prefill"
         try:
             yield
@@ -568,8 +570,8 @@ class WrapperPress(BasePress):
         self.press.on_enter(model)
 
     @contextmanager
-    def chunked_prefill(self):
-        with super().chunked_prefill(), self.press.chunked_prefill():
+    def chunked_prefill(self, tokens: int | None = None):
+        with super().chunked_prefill(tokens), self.press.chunked_prefill(tokens):
             yield
 
 

@@ -26,10 +26,15 @@ does not help.
 
 from __future__ import annotations
 
+import warnings
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
+import torch
+from torch import nn
+
 from core_kv.core_model import CoreModel
-from core_kv.policy import PAPER, PolicyOptions
+from core_kv.policy import PAPER, InferencePolicy, PolicyOptions
 from core_kv.presses.adakv import AdaKVPress
 from core_kv.presses.base import HELD, BasePress, WrapperPress
 from core_kv.presses.core_scorer import CoreScorerPress, artifact_at
@@ -43,33 +48,43 @@ OVERRIDES = ("head_budgets", "head_pool", "repair", "memory")
 
 @dataclass(repr=False)
 class CorePress(WrapperPress, name="core"):
-    """CORE from a trained artifact, composed as the artifact's inference policy says for the compression ratio.
+    """CORE from a trained artifact, composed as the artifact's inference policy says for the compression ratio and
+    the context's length.
 
     ``build_press("core", checkpoint="checkpoints/core-smollm2/final", compression_ratio=0.75)``. The press is the
-    factory of its stack: it loads the artifact once, chooses the composition (the policy's band, the overrides) and
-    builds the pieces, handing each what it needs (:func:`compose`: the scorer the artifact, the memory
-    ``core.memory``); it then runs the stack (``press``). The ratio, budget, protected positions and ``decoding``
-    are the scorer's (a :class:`~core_kv.presses.base.WrapperPress` holds none). Without a checkpoint only the no-op
-    (ratio 0) is allowed; the artifact is checked against the model when the press is entered (refuses another base
-    model).
+    factory of its stacks: it loads the artifact once, chooses the composition of every length band the policy was
+    validated at (the band of the ratio there, with the overrides) and builds each stack once around one scorer,
+    handing each piece what it needs (:func:`compose`: the scorer the artifact, the memory ``core.memory``); equal
+    compositions share a stack. A context's length is known at its prefill: the first forward on an empty cache (or
+    the length a chunked prefill declares, :meth:`chunked_prefill`) selects the stack of the validated length nearest
+    to it (:meth:`~core_kv.policy.InferencePolicy.length_band`), and the press runs that stack (``press``) until the
+    next context, so a prefill and the decode that follows it run one composition. A context outside the validated
+    lengths (:meth:`~core_kv.policy.InferencePolicy.outside`: more than a factor 2 shorter than the shortest or longer
+    than the longest, for a one-length policy too) runs the nearest band with one warning per press and length band.
+    The ratio, budget, protected positions and ``decoding`` are the scorer's, shared by the stacks (a
+    :class:`~core_kv.presses.base.WrapperPress` holds none). Without a checkpoint only the no-op (ratio 0) is allowed;
+    the artifact is checked against the model when the press is entered (refuses another base model).
 
     Args:
         checkpoint: Folder of a :class:`~core_kv.core_model.CoreModel` artifact (``config.json`` + ``model.safetensors``).
-        policy: ``artifact`` (the recorded policy's band for ``compression_ratio``; the paper's press if the artifact
-            records none) or ``paper`` (uniform budgets, memory in every layer).
-        head_budgets, head_pool, repair, memory: Override the policy (``None`` = the policy's): see
+        policy: ``artifact`` (the recorded policy's band for ``compression_ratio`` at the context's length; the
+            paper's press if the artifact records none) or ``paper`` (uniform budgets, memory in every layer).
+        head_budgets, head_pool, repair, memory: Override the policy at every length (``None`` = the policy's): see
             :class:`~core_kv.policy.PolicyOptions`.
         protected_sinks, protected_recent, calibrated, allocation: The scorer's
             (:class:`~core_kv.presses.core_scorer.CoreScorerPress`; ``None`` protection = the artifact's).
         write_rule, budget_matched, memory_dtype: The memory's
-            (:class:`~core_kv.presses.latent_memory.LatentMemoryPress`), when the composition has one
+            (:class:`~core_kv.presses.latent_memory.LatentMemoryPress`), where a composition has one
             (``write_rule=None``: the artifact's).
 
     Attributes:
-        options: The composition applied (the policy's band with the overrides).
+        served: The composition applied per validated length (``{2048: options}``; ``{None: options}`` for the
+            paper's press or a policy that records no length).
+        length: The validated length whose composition runs now (the shortest before the first prefill).
+        options: The composition that runs now (``served[length]``: the policy's band with the overrides).
         core: The artifact, loaded once (``None`` without a checkpoint).
-        scorer: The CORE scorer at the bottom of the stack (its ``events`` log the last context's eviction events).
-        memory_press: The memory at the top of the stack, or ``None``.
+        scorer: The CORE scorer at the bottom of every stack (its ``events`` log the last context's eviction events).
+        memory_press: The memory at the top of the stack that runs now, or ``None``.
     """
 
     checkpoint: str | None = None
@@ -86,10 +101,14 @@ class CorePress(WrapperPress, name="core"):
     press: BasePress | None = field(default=None, init=False)
     press_options: dict = field(default_factory=dict, init=False)
 
-    options: PolicyOptions = field(default=PAPER, init=False, compare=False)
+    served: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    length: int | None = field(default=None, init=False, repr=False, compare=False)
     core: CoreModel | None = field(default=None, init=False, repr=False, compare=False)
     scorer: CoreScorerPress | None = field(default=None, init=False, repr=False, compare=False)
-    memory_press: LatentMemoryPress | None = field(default=None, init=False, repr=False, compare=False)
+    _lookup: InferencePolicy | None = field(default=None, init=False, repr=False, compare=False)
+    _stacks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _warned: set = field(default_factory=set, init=False, repr=False, compare=False)
+    _declared: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -100,26 +119,107 @@ class CorePress(WrapperPress, name="core"):
         held = {n: getattr(self, n) for n in HELD if getattr(self, n) is not None}  # given here, held by the scorer
         self.scorer = CoreScorerPress(core=core, checkpoint=self.checkpoint, calibrated=self.calibrated,
                                       allocation=self.allocation, **held)  # fmt: skip
-        base = PAPER
-        if self.policy == "artifact" and core is not None:
-            ratio = self.scorer.compression_ratio if self.scorer.budget is None else None
-            base = core.policy().for_ratio(ratio)
+        ratio = self.scorer.compression_ratio if self.scorer.budget is None else None
+        self._lookup = core.policy() if self.policy == "artifact" and core is not None else None
+        bases = {None: PAPER} if self._lookup is None else {lb.length: lb.band(ratio).options
+                                                             for lb in self._lookup.lengths}  # fmt: skip
         given = self.overrides()
         if given.get("head_budgets") in ("uniform", "shared") and "head_pool" not in given:
             given["head_pool"] = "score"  # uniform and shared budgets pool nothing across heads
-        try:
-            self.options = PolicyOptions.from_dict({**base.to_dict(), **given}, f"{self.name}")
-        except ValueError as e:
-            raise ValueError(f"{e} (policy {base.describe()!r} with overrides {given})") from None
-        if core is not None:  # a memory layer list names layers of the artifact's base model
-            self.options.check_layers(core.config.num_layers, f"{self.name}: {self.checkpoint}")
+        self.served = {}
+        for length, base in bases.items():
+            try:
+                options = PolicyOptions.from_dict({**base.to_dict(), **given}, f"{self.name}")
+            except ValueError as e:
+                raise ValueError(f"{e} (policy {base.describe()!r} with overrides {given})") from None
+            if core is not None:  # a memory layer list names layers of the artifact's base model
+                options.check_layers(core.config.num_layers, f"{self.name}: {self.checkpoint}")
+            self.served[length] = options
         memory_options = (self.write_rule, self.budget_matched, self.memory_dtype)
-        if self.options.memory is False and memory_options != (None, False, None):
+        if all(o.memory is False for o in self.served.values()) and memory_options != (None, False, None):
             raise ValueError(f"{self.name}: write_rule, budget_matched and memory_dtype apply to the memory, which "
-                             f"this composition ({self.options.describe()}) does not run")  # fmt: skip
-        self.press = compose(self.scorer, self.options, *memory_options)
-        self.memory_press = self.press if isinstance(self.press, LatentMemoryPress) else None
+                             f"this composition ({self.options_label()}) does not run")  # fmt: skip
+        self._stacks = {}
+        for options in self.served.values():
+            if options not in self._stacks:
+                self._stacks[options] = compose(self.scorer, options, *memory_options)
+        self._use(next(iter(self.served)))
         super().validate()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The composition of the context's length band
+
+    def _use(self, length: int | None) -> None:
+        self.length = length
+        self.press = self._stacks[self.served[length]]
+
+    def at_length(self, tokens: int) -> BasePress:
+        """Select (and return) the stack for a context of ``tokens`` tokens: the composition of the nearest validated
+        length; outside the validated lengths, warn once per length band."""
+        if self._lookup is None:
+            return self.press
+        band = self._lookup.length_band(tokens)
+        if self._lookup.outside(tokens) and band.length not in self._warned:
+            self._warned.add(band.length)
+            lengths = ", ".join(f"{n:,}" for n in self._lookup.validated_lengths)
+            warnings.warn(
+                f"{self.name}: a context of {tokens:,} tokens is outside the lengths the inference policy of "
+                f"{self.checkpoint} was validated at ({lengths} tokens): it runs the band validated at {band.length:,} "
+                f"tokens ({self.served[band.length].describe()}); validate at this length to serve it "
+                "(train.py policy.lengths)",
+                stacklevel=2,
+            )
+        self._use(band.length)
+        return self.press
+
+    def before_forward(self, module: nn.Module, hidden_states: torch.Tensor, cache, kwargs: dict) -> None:
+        if self._state[module.layer_idx]["empty_before"]:  # a new context: every layer of its first forward agrees
+            self.at_length(self._declared if self._declared is not None else hidden_states.shape[1])
+        super().before_forward(module, hidden_states, cache, kwargs)
+
+    @contextmanager
+    def chunked_prefill(self, tokens: int | None = None):
+        """Compress after every chunk; ``tokens`` (the context's length, which :func:`core_kv.pipeline.prefill`
+        declares) chooses the length band at the first chunk (without it: the first chunk's length)."""
+        self._declared = tokens
+        try:
+            with BasePress.chunked_prefill(self, tokens), ExitStack() as stack:
+                for s in self._stacks.values():
+                    stack.enter_context(s.chunked_prefill(tokens))
+                yield
+        finally:
+            self._declared = None
+
+    # every stack's hooks are installed (a later context may run another one); today's pieces install none of their own
+    def install(self, model: nn.Module) -> list:
+        return [h for s in self._stacks.values() for h in s.install(model)]
+
+    def uninstall(self, model: nn.Module) -> None:
+        for s in self._stacks.values():
+            s.uninstall(model)
+
+    def captures_queries(self) -> bool:
+        return any(s.captures_queries() for s in self._stacks.values())
+
+    def reads_out(self) -> bool:
+        return any(s.reads_out() for s in self._stacks.values())
+
+    def on_enter(self, model: nn.Module) -> None:
+        for s in self._stacks.values():
+            s.share_state(self.layer_state)  # every stack sees this press's per-layer bookkeeping
+            s.on_enter(model)
+
+    # ------------------------------------------------------------------------------------------------------------
+
+    @property
+    def options(self) -> PolicyOptions:
+        """The composition that runs now."""
+        return self.served[self.length]
+
+    @property
+    def memory_press(self) -> LatentMemoryPress | None:
+        """The memory at the top of the stack that runs now, or ``None``."""
+        return self.press if isinstance(self.press, LatentMemoryPress) else None
 
     @property
     def events(self) -> list:
@@ -145,9 +245,23 @@ class CorePress(WrapperPress, name="core"):
         served = "shared" if self.options.head_budgets == "shared" else "per_head"
         return None if trained == served else f"trained {trained}, served {served}"
 
+    def options_label(self) -> str:
+        """The compositions served: ``shared, memory off (validated at 2048 tokens)``, or per validated length
+        (``1024 tokens: ...; 4096 tokens: ... (running)``) when they are several."""
+        if len(self.served) == 1:
+            (length, options), = self.served.items()
+            return options.describe() + ("" if length is None else f" (validated at {length} tokens)")
+        return "; ".join(f"{n} tokens: {o.describe()}" + (" (running)" if n == self.length else "")
+                         for n, o in self.served.items())  # fmt: skip
+
     def config_dict(self) -> dict:
+        """The options, the composition running now (``applied``) and, with several length bands, each one's
+        (``served``: a results folder's cell runs every context at one length band per context)."""
         out = super().config_dict()
         out.update(applied=self.options.to_dict(), applied_label=self.options.describe(), overrides=self.overrides())
+        if len(self.served) > 1:  # one length band: the dict of before lengths (results folders stay matched)
+            out["served"] = [{"length": n, "applied": o.to_dict(), "applied_label": o.describe()}
+                             for n, o in self.served.items()]  # fmt: skip
         if self.core is not None:
             out["trained_selection"] = self.core.config.trained_selection
         return out
@@ -157,7 +271,7 @@ class CorePress(WrapperPress, name="core"):
         ratio = f"budget={self.budget}" if self.budget is not None else f"compression_ratio={self.compression_ratio}"
         mismatch = self.selection_mismatch()
         return (
-            f"CorePress(checkpoint={self.checkpoint!r}, {ratio}, policy={self.policy!r}: {self.options.describe()}"
+            f"CorePress(checkpoint={self.checkpoint!r}, {ratio}, policy={self.policy!r}: {self.options_label()}"
             + (f" ({mismatch})" if mismatch else "")
             + (f", overrides={over}" if over else "")
             + f"; {stack_shape(self.press)})"

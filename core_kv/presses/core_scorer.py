@@ -373,9 +373,9 @@ class CoreScorerPress(ScorerPress, name="core_scorer"):
             st.freeze()
 
     @contextmanager
-    def chunked_prefill(self):
+    def chunked_prefill(self, tokens: int | None = None):
         """The chunks' events; after the last one, without ``decoding``, every layer frees what no event reads."""
-        with super().chunked_prefill():
+        with super().chunked_prefill(tokens):
             yield
         if not self.decoding:
             for st in self._layers.values():
