@@ -214,7 +214,9 @@ class LengthBand:
             b.options.check_layers(num_layers, f"{where}bands[{i}].options")
         for r, rows in self.candidates.items():
             for j, row in enumerate(rows):
-                PolicyOptions.from_dict(row["options"]).check_layers(num_layers, f"{where}candidates[{r!r}][{j}].options")
+                PolicyOptions.from_dict(row["options"]).check_layers(
+                    num_layers, f"{where}candidates[{r!r}][{j}].options"
+                )
 
     def band(self, ratio: float | None) -> Band:
         """The band of ``ratio`` (``None``: the default band)."""
@@ -434,8 +436,10 @@ class PolicyStageConfig:
         bad = [t for t in self.tasks if t not in VALIDATION_TASKS]
         if not self.tasks or bad:
             raise ValueError(f"{prefix}tasks must be a non-empty subset of {list(VALIDATION_TASKS)}, got {self.tasks}")
-        if not isinstance(self.lengths, list) or not self.lengths or any(
-            isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in self.lengths
+        if (
+            not isinstance(self.lengths, list)
+            or not self.lengths
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in self.lengths)
         ):
             raise ValueError(f"{prefix}lengths must be a non-empty list of integers >= 64, got {self.lengths!r}")
         if self.lengths != sorted(set(self.lengths)):

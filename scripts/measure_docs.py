@@ -150,7 +150,7 @@ def measure_quick_policy(work: Path, prompts: int = 2) -> dict:
     cfg = recipe.policy
     model, tok = load_model(recipe.teacher.model.path)
     artifact = str(ROOT / "checkpoints" / "core-smollm2" / "final")
-    (length, per_task), = cfg.per_length()  # the quick recipe validates at one length
+    ((length, per_task),) = cfg.per_length()  # the quick recipe validates at one length
     chosen = validation_set(tok, cfg.tasks, length, per_task, cfg.seed)[:prompts]
     presses = [None] + [compose(CoreScorerPress(checkpoint=artifact, compression_ratio=0.75), c)
                         for c in cfg.candidate_options()]  # fmt: skip

@@ -519,7 +519,11 @@ V2_CASES = [
     ("lengths", [], r"lengths: an inference policy needs at least one length band"),
     ("lengths", DELETE, r"no 'lengths' field"),
     ("bands", [], r"unknown field\(s\) \['bands'\]; a v2 policy records \['lengths', 'version'\]"),
-    ("lengths/1/bands/0/upto", "abc", r"lengths\[1\]\.bands\[0\]\.upto \(a compression ratio\) must be a finite number"),
+    (
+        "lengths/1/bands/0/upto",
+        "abc",
+        r"lengths\[1\]\.bands\[0\]\.upto \(a compression ratio\) must be a finite number",
+    ),
     ("lengths/1/bands/1/upto", 0.5, r"lengths\[1\]\.bands: must be in ascending order of 'upto'"),
     ("lengths/1/bands/0/options/colour", "red", r"lengths\[1\]\.bands\[0\]\.options: unknown policy option"),
     ("lengths/1/bands/0/extra", 1, r"lengths\[1\]\.bands\[0\] has unknown field\(s\) \['extra'\]"),

@@ -14,8 +14,14 @@ import core_kv.eval.policy_stage as stage
 from core_kv.core_model import CoreModel
 from core_kv.eval import needles, ruler, validation
 from core_kv.policy import (
-    PAPER, InferencePolicy, LengthBand, PolicyOptions, PolicyStageConfig, bands_from_choices, candidate_grid,
-)  # fmt: skip
+    PAPER,
+    InferencePolicy,
+    LengthBand,
+    PolicyOptions,
+    PolicyStageConfig,
+    bands_from_choices,
+    candidate_grid,
+)
 from core_kv.presses import build_press
 
 ROOT = Path(__file__).resolve().parents[1]

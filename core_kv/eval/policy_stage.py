@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from core_kv.config import to_dict
 from core_kv.core_model import artifact_config
 from core_kv.eval.fidelity import continuation_logprobs
 from core_kv.eval.validation import validation_set
@@ -44,8 +43,13 @@ from core_kv.files import atomic_write_json
 from core_kv.models.loading import check_context_window, check_lengths
 from core_kv.pipeline import encode, prefill
 from core_kv.policy import (
-    InferencePolicy, LengthBand, PolicyOptions, PolicyStageConfig, bands_from_choices, complexity,
-)  # fmt: skip
+    InferencePolicy,
+    LengthBand,
+    PolicyOptions,
+    PolicyStageConfig,
+    bands_from_choices,
+    complexity,
+)
 from core_kv.presses.base import BasePress
 from core_kv.presses.core import compose
 from core_kv.presses.core_scorer import CoreScorerPress
@@ -133,8 +137,9 @@ def run_policy_stage(
             raise ValueError(f"policy.candidates: {refused} do not apply to {artifact}")
         candidates = applies
     bands = [
-        validate_at(cfg, i, length, per_task, artifact, model, tokenizer, work / str(length), candidates, candidate,
-                    progress)  # fmt: skip
+        validate_at(
+            cfg, i, length, per_task, artifact, model, tokenizer, work / str(length), candidates, candidate, progress
+        )  # fmt: skip
         for i, (length, per_task) in enumerate(cfg.per_length())
     ]
     policy = InferencePolicy(bands)
@@ -243,7 +248,9 @@ def policy_markdown(policy: InferencePolicy) -> str:
     for lb in policy.lengths:
         lo = 0.0
         for b in lb.bands:
-            lines.append(f"| {_tokens(lb.length)} | ({lo:g}, {b.upto:g}] | {b.validated_at:g} | {b.options.describe()} |")
+            lines.append(
+                f"| {_tokens(lb.length)} | ({lo:g}, {b.upto:g}] | {b.validated_at:g} | {b.options.describe()} |"
+            )
             lo = b.upto
     for lb in policy.lengths:
         v = lb.validation

@@ -249,7 +249,7 @@ class CorePress(WrapperPress, name="core"):
         """The compositions served: ``shared, memory off (validated at 2048 tokens)``, or per validated length
         (``1024 tokens: ...; 4096 tokens: ... (running)``) when they are several."""
         if len(self.served) == 1:
-            (length, options), = self.served.items()
+            ((length, options),) = self.served.items()
             return options.describe() + ("" if length is None else f" (validated at {length} tokens)")
         return "; ".join(f"{n} tokens: {o.describe()}" + (" (running)" if n == self.length else "")
                          for n, o in self.served.items())  # fmt: skip

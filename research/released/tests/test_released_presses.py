@@ -218,14 +218,14 @@ def test_policy_stage_compares_only_the_v3_compositions(tmp_path):
     core.set_key_geometry(KeyGeometry.draw(fp["layers"], fp["kv_heads"], fp["head_dim"]))
     art = tmp_path / "final"
     core.save_pretrained(art)
-    small = PolicyStageConfig(ratios=[0.75], length=160, per_task=1)
+    small = PolicyStageConfig(ratios=[0.75], lengths=[160], per_task=1)
     policy = stage.run_policy_stage(small, art, lm, tok, tmp_path / "work", progress=False, candidate=policy_candidate)
-    rows = json.loads((art / "config.json").read_text())["inference_policy"]["candidates"]["0.75"]
+    rows = json.loads((art / "config.json").read_text())["inference_policy"]["lengths"][0]["candidates"]["0.75"]
     assert sorted(r["label"] for r in rows) == ["uniform, memory", "uniform, memory off"]
     press = build_press("core_released", checkpoint=str(art), compression_ratio=0.75)
     assert press.options == policy.for_ratio(0.75)
     with pytest.raises(ValueError, match="do not apply"):
-        stage.run_policy_stage(PolicyStageConfig(ratios=[0.75], length=160, per_task=1,
+        stage.run_policy_stage(PolicyStageConfig(ratios=[0.75], lengths=[160], per_task=1,
                                                  candidates=[{"head_budgets": "adaptive"}]), art, lm, tok,
                                tmp_path / "work2", progress=False, candidate=policy_candidate)  # fmt: skip
     # an artifact whose memory was never trained (released.memory.train=false) is validated without the memory
@@ -234,5 +234,5 @@ def test_policy_stage_compares_only_the_v3_compositions(tmp_path):
     untrained = tmp_path / "untrained"
     core.save_pretrained(untrained)
     stage.run_policy_stage(small, untrained, lm, tok, tmp_path / "work3", progress=False, candidate=policy_candidate)
-    rows = json.loads((untrained / "config.json").read_text())["inference_policy"]["candidates"]["0.75"]
+    rows = json.loads((untrained / "config.json").read_text())["inference_policy"]["lengths"][0]["candidates"]["0.75"]
     assert [r["label"] for r in rows] == ["uniform, memory off"]
