@@ -72,14 +72,15 @@ def presses(checkpoint: Path, ratios: list[float]) -> dict:
 
 
 def rows(results: dict, compositions: dict) -> list[dict]:
-    """One row per (context, CORE band): the ratios and bytes of the table."""
+    """One row per (context, CORE band): the ratios and bytes of the table (``compositions``: per CORE label, the
+    composition it runs at each context length)."""
     out = []
     for n, r in results.items():
-        for label, composition in compositions.items():
+        for label, by_length in compositions.items():
             ratio = label.split("@")[1]
             core, snap, none = r[label], r[f"snapkv@{ratio}"], r["none"]
             out.append({
-                "context": int(n), "ratio": float(ratio), "composition": composition,
+                "context": int(n), "ratio": float(ratio), "composition": by_length[n],
                 "prefill_none_s": none["prefill"], "prefill_s": core["prefill"],
                 "prefill_ratio": core["prefill"] / none["prefill"],
                 "decode_ms": 1e3 * core["decode"], "decode_snapkv_ms": 1e3 * snap["decode"],
@@ -137,7 +138,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = shape_artifact(model, checkpoint, Path(tmp) / "core") if shape else checkpoint
         methods = presses(ckpt, ratios)
-        compositions = {k: p.options.describe() for k, p in methods.items() if k.startswith("core@")}
+        compositions = {k: {str(n): p.composition(n).describe() for n in lengths}  # a length band's at each length
+                        for k, p in methods.items() if k.startswith("core@")}  # fmt: skip
         for n in lengths:
             results[str(n)] = measure(model, methods, n, None, args.repeats)
             print(f"[cost_targets] {n}: {json.dumps(results[str(n)])}", flush=True)

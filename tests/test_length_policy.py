@@ -130,6 +130,7 @@ def test_the_press_runs_the_composition_of_each_prefills_length_band(two_lengths
     assert len(loads) == 1  # the artifact, once, for both stacks
     monkeypatch.undo()
     assert press.served == {64: SHORT, 256: LONG} and press.length == 64
+    assert press.composition(100) == SHORT and press.composition(200) == LONG and press.length == 64  # a lookup only
     text = repr(press)
     assert "64 tokens: shared, memory off (running); 256 tokens: adaptive/score + repair, memory" in text
     assert [s["length"] for s in press.config_dict()["served"]] == [64, 256]

@@ -153,6 +153,10 @@ class CorePress(WrapperPress, name="core"):
         self.length = length
         self.press = self._stacks[self.served[length]]
 
+    def composition(self, tokens: int) -> PolicyOptions:
+        """The composition a context of ``tokens`` tokens runs (a lookup: nothing is selected, nothing warned)."""
+        return self.options if self._lookup is None else self.served[self._lookup.length_band(tokens).length]
+
     def at_length(self, tokens: int) -> BasePress:
         """Select (and return) the stack for a context of ``tokens`` tokens: the composition of the nearest validated
         length; outside the validated lengths, warn once per length band."""
