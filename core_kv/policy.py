@@ -138,6 +138,21 @@ def _between(v, name: str, interval: str) -> float:
     return x
 
 
+def _mappings(d: dict, name: str, where: str, at: str, fields: str) -> list[dict]:
+    """``d[name]`` when it is a list of mappings (each of ``fields``), else ``ValueError`` naming ``where`` (the file)
+    and ``at`` + ``name``."""
+    if name not in d:
+        raise ValueError(f"{where}: no '{at}{name}' field")
+    items = d[name]
+    if not isinstance(items, list):
+        raise ValueError(f"{where}: {at}{name} must be a list of {'length bands' if name == 'lengths' else name}, "
+                         f"got {items!r}")  # fmt: skip
+    for i, x in enumerate(items):
+        if not isinstance(x, dict):
+            raise ValueError(f"{where}: {at}{name}[{i}] must be a mapping {fields}, got {x!r}")
+    return items
+
+
 @dataclass(frozen=True)
 class Band:
     """The options for ratios up to ``upto`` (above the previous band's), chosen at the validation ratio
@@ -243,14 +258,8 @@ class LengthBand:
         """The length band of a recorded dict (``length`` read from ``d``; for a version-1 record ``d`` has none and
         the caller passes ``validation.context_tokens``); a bad field raises ``ValueError`` naming ``where`` (the
         file) and ``at`` + the field (``lengths[1].bands[0].upto``)."""
-        if "bands" not in d:
-            raise ValueError(f"{where}: no '{at}bands' field")
-        if not isinstance(d["bands"], list):
-            raise ValueError(f"{where}: {at}bands must be a list of bands, got {d['bands']!r}")
         bands = []
-        for i, b in enumerate(d["bands"]):
-            if not isinstance(b, dict):
-                raise ValueError(f"{where}: {at}bands[{i}] must be a mapping (upto, validated_at, options), got {b!r}")
+        for i, b in enumerate(_mappings(d, "bands", where, at, "(upto, validated_at, options)")):
             missing = sorted({"upto", "validated_at", "options"} - set(b))
             extra = sorted(set(b) - {"upto", "validated_at", "options"})
             if missing or extra:
@@ -355,15 +364,10 @@ class InferencePolicy:
                 raise ValueError(f"{where}: validation.context_tokens must be a positive number of tokens, got "
                                  f"{length!r}")  # fmt: skip
             return cls([LengthBand.from_dict({**d, "length": length}, where)], v1=True)
-        if "lengths" not in d:
-            raise ValueError(f"{where}: no 'lengths' field")
-        if not isinstance(d["lengths"], list):
-            raise ValueError(f"{where}: lengths must be a list of length bands, got {d['lengths']!r}")
         bands = []
-        for i, lb in enumerate(d["lengths"]):
-            if not isinstance(lb, dict):
-                raise ValueError(f"{where}: lengths[{i}] must be a mapping (length, bands, default_band, candidates, "
-                                 f"validation), got {lb!r}")  # fmt: skip
+        for i, lb in enumerate(
+            _mappings(d, "lengths", where, "", "(length, bands, default_band, candidates, validation)")
+        ):
             if "length" not in lb:
                 raise ValueError(f"{where}: lengths[{i}] has no 'length' field")
             extra = sorted(set(lb) - LENGTH_FIELDS)
