@@ -47,8 +47,9 @@ class ArtifactConfig(PretrainedConfig):
         fingerprint: :func:`~core_kv.models.fingerprint.model_fingerprint` of the base model.
         feature_spec: The feature spec at training time.
         teacher: The teacher's settings.
-        inference_policy: The composition to run per compression-ratio band, chosen by ``train.py``'s policy stage
-            (:class:`~core_kv.policy.InferencePolicy` as a dict); ``None``: the kind's default press.
+        inference_policy: The composition to run per (validated context length, compression-ratio band), chosen by
+            ``train.py``'s policy stage (:class:`~core_kv.policy.InferencePolicy` as a dict); ``None``: the kind's
+            default press.
         artifact_version: :data:`ARTIFACT_VERSION` when written.
     """
 

@@ -13,9 +13,10 @@ The pieces are presses, composed by wrapping (kvpress's ``AdaKVPress(press)`` pa
                                                                  # evicted set, after AdaKV and the repair)
 
 The paper's press is the scorer inside the memory (:data:`~core_kv.policy.PAPER`). An artifact records which
-composition to run per compression-ratio band (:class:`~core_kv.policy.InferencePolicy`), chosen by ``train.py``'s
-policy stage on validation prompts the pipeline generates itself; ``build_press("core", checkpoint=...,
-compression_ratio=r)`` applies the band of r, ``policy="paper"`` the paper's press, and an explicit option
+composition to run per (validated context length, compression-ratio band) (:class:`~core_kv.policy.InferencePolicy`),
+chosen by ``train.py``'s policy stage on validation prompts the pipeline generates itself; ``build_press("core",
+checkpoint=..., compression_ratio=r)`` applies, at each prefill, the band of r at the validated length nearest to the
+context's, ``policy="paper"`` the paper's press, and an explicit option
 (``head_budgets``, ``head_pool``, ``repair``, ``memory``) overrides the policy — the override shows in the press's repr
 and in its :meth:`config_dict` (results folders).
 
