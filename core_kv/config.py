@@ -93,13 +93,19 @@ def load_config(
         raise ConfigError(
             f"invalid config for {schema.__name__}: {f'{key}: ' if key else ''}{_first(e)}{hint}"
         ) from None
+    return built(merged)
+
+
+def built(merged: DictConfig) -> Any:
+    """The config object of a merged structured config, checked from the root (:func:`check_config`), so a nested
+    option's error carries its dotted name (``teacher.lam must be ...``)."""
     token = _LOADING.set(True)  # the tree is checked once, from the root, so nested errors carry their dotted names
     try:
         cfg = OmegaConf.to_object(merged)
     finally:
         _LOADING.reset(token)
     check_config(cfg)
-    return cfg  # type: ignore[return-value]
+    return cfg
 
 
 def import_plugins(raw: Any, name: str = "plugins") -> list[str]:

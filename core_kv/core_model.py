@@ -29,7 +29,7 @@ from core_kv.indexer import CoreIndexer
 from core_kv.memory import MEMORY_DIM, WRITE_RULES, LatentMemory
 from core_kv.models.fingerprint import FingerprintMismatch, check_fingerprint, model_fingerprint
 from core_kv.models.loading import looks_local, quiet_loading
-from core_kv.policy import PAPER, InferencePolicy
+from core_kv.policy import PAPER, InferencePolicy, check_recipe_search
 
 ARTIFACT_VERSION = 1
 
@@ -344,6 +344,8 @@ def check_artifact(path: Path, model_class: type[ArtifactModel] = CoreModel) -> 
     if config.inference_policy is not None:
         policy = InferencePolicy.from_dict(config.inference_policy, f"{cfg_file}: inference_policy")
         policy.check_layers(config.num_layers, f"{cfg_file}: inference_policy")
+    if stored.get("recipe_search") is not None:  # the recipe search that chose this artifact's training recipe
+        check_recipe_search(stored["recipe_search"], f"{cfg_file}: recipe_search")
     if config.num_heads % config.num_kv_heads:
         raise ValueError(f"{cfg_file}: num_heads ({config.num_heads}) must be a multiple of num_kv_heads")
     if not weights.is_file():

@@ -386,6 +386,60 @@ class InferencePolicy:
         return cls([LengthBand(length, [Band(1.0, options, 0.75)], **record)])
 
 
+SEARCH_FIELDS = {"version", "rule", "ratios", "short", "keep", "contestants", "rounds", "winner"}  # a recipe_search
+
+
+def check_recipe_search(d, where: str) -> None:
+    """Check the ``recipe_search`` record of an artifact's ``config.json`` (``train.py``'s recipe search,
+    :mod:`core_kv.search`): the contestants and their overrides, each round's scores (mean and per validated (length,
+    ratio)) and the winner, one of the last round's contestants. A bad field raises ``ValueError`` naming ``where``
+    (the file) and the field (``rounds[0].scores['base'].accuracy``)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: a recipe search record is a JSON object, got {d!r}")
+    if d.get("version") != 1:
+        raise ValueError(f"{where}: version {d.get('version')!r}, this code reads v1")
+    unknown, missing = sorted(set(d) - SEARCH_FIELDS), sorted(SEARCH_FIELDS - set(d))
+    if unknown or missing:
+        raise ValueError(f"{where}: " + (f"unknown field(s) {unknown}" if unknown else f"no {missing} field(s)")
+                         + f"; a recipe search records {sorted(SEARCH_FIELDS)}")  # fmt: skip
+    for i, r in enumerate(d["ratios"] if isinstance(d["ratios"], list) else [None]):
+        _between(r, f"{where}: ratios[{i}] (a compression ratio)", "(0, 1)")
+    if not isinstance(d["short"], dict):
+        raise ValueError(f"{where}: short must be a mapping of options to values, got {d['short']!r}")
+    if isinstance(d["keep"], bool) or not isinstance(d["keep"], int) or d["keep"] < 1:
+        raise ValueError(f"{where}: keep must be an integer >= 1, got {d['keep']!r}")
+    labels = []
+    for i, c in enumerate(_mappings(d, "contestants", where, "", "(label, overrides)")):
+        if not isinstance(c.get("label"), str) or not isinstance(c.get("overrides"), dict):
+            raise ValueError(f"{where}: contestants[{i}] must record a label (string) and overrides (a mapping), "
+                             f"got {c!r}")  # fmt: skip
+        labels.append(c["label"])
+    if len(set(labels)) != len(labels) or not labels:
+        raise ValueError(f"{where}: contestants must be one or more, each label once, got {labels}")
+    rounds = _mappings(d, "rounds", where, "", "(name, overrides, scores, ranking)")
+    if not rounds:
+        raise ValueError(f"{where}: rounds: a search records at least one round")
+    for i, rd in enumerate(rounds):
+        at = f"{where}: rounds[{i}]"
+        scores, ranking = rd.get("scores"), rd.get("ranking")
+        if not isinstance(scores, dict) or not scores or not set(scores) <= set(labels):
+            raise ValueError(f"{at}.scores must map contestants ({labels}) to their scores, got {scores!r}")
+        if not isinstance(ranking, list) or sorted(ranking) != sorted(scores):
+            raise ValueError(f"{at}.ranking must list the round's contestants {sorted(scores)}, got {ranking!r}")
+        for label, sc in scores.items():
+            if not isinstance(sc, dict):
+                raise ValueError(f"{at}.scores[{label!r}] must be a mapping (accuracy, logprob, per_ratio), got {sc!r}")
+            _between(sc.get("accuracy"), f"{at}.scores[{label!r}].accuracy", "[0, 1]")
+            _finite(sc.get("logprob"), f"{at}.scores[{label!r}].logprob")
+            for j, row in enumerate(_mappings(sc, "per_ratio", at, f"scores[{label!r}].", "(length, ratio, ...)")):
+                _between(row.get("ratio"), f"{at}.scores[{label!r}].per_ratio[{j}].ratio", "(0, 1)")
+                _between(row.get("accuracy"), f"{at}.scores[{label!r}].per_ratio[{j}].accuracy", "[0, 1]")
+                _finite(row.get("logprob"), f"{at}.scores[{label!r}].per_ratio[{j}].logprob")
+    if d["winner"] not in rounds[-1]["scores"]:
+        raise ValueError(f"{where}: winner {d['winner']!r} is not a contestant of the last round "
+                         f"({sorted(rounds[-1]['scores'])})")  # fmt: skip
+
+
 # The validation prompts' tasks (built by core_kv.eval.validation, which the policy stage runs; named here, below both)
 VALIDATION_TASKS = ("single_noise", "single_prose", "multikey_prose", "multivalue_noise")
 MIN_SEED = 1000  # validation seeds start here; evaluation seeds (RULER 42-46, held-out needles 7...) lie below
@@ -500,5 +554,6 @@ def bands_from_choices(choices: dict[float, PolicyOptions]) -> list[Band]:
 
 __all__ = [
     "HEAD_BUDGETS", "HEAD_POOLS", "MIN_SEED", "OUTSIDE", "PAPER", "VALIDATION_TASKS", "Band", "InferencePolicy",
-    "LengthBand", "PolicyOptions", "PolicyStageConfig", "bands_from_choices", "candidate_grid", "complexity",
+    "LengthBand", "PolicyOptions", "PolicyStageConfig", "bands_from_choices", "candidate_grid", "check_recipe_search",
+    "complexity",
 ]  # fmt: skip

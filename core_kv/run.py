@@ -1,5 +1,7 @@
 """What ``train.py`` runs: CORE's distillation (:func:`core_kv.distill.trainer.train`), then the policy stage
-(:func:`core_kv.eval.policy_stage.run_policy_stage`) that records the artifact's inference policy.
+(:func:`core_kv.eval.policy_stage.run_policy_stage`) that records the artifact's inference policy; with
+``search.variants`` set, a staged recipe search of such runs (:func:`core_kv.search.recipe_search`) whose winner becomes
+the artifact.
 
 Both resume: a relaunch with the same config skips the finished distillation stages and the (ratio, candidate) scores
 already in ``<out_dir>/stages/policy/``.
@@ -18,19 +20,26 @@ from core_kv.distill.trainer import train as distill
 from core_kv.eval.policy_stage import policy_markdown, run_policy_stage
 from core_kv.files import atomic_write_json, atomic_write_text, read_json
 from core_kv.policy import InferencePolicy
+from core_kv.search import recipe_search
 
 
 def train(cfg) -> dict:
     """Distil (or reuse) the artifact of ``cfg``, choose its inference policy, and return the run's summary; the last
     lines printed are the artifact, its report and the commands that load and evaluate it. The policy stage runs
-    inside the run folder's lock, as the distillation does: a second run into the folder is refused until it ends."""
-    summary = distill(cfg, then=(lambda s: choose_policy(cfg, s)) if cfg.policy.enabled else None)
+    inside the run folder's lock, as the distillation does: a second run into the folder is refused until it ends.
+    With ``search.variants`` set, the recipe search runs such runs (its contestants) and its winner is the artifact."""
+    summary = recipe_search(cfg, train_one) if cfg.search.enabled else train_one(cfg)
     if int(os.environ.get("RANK", "0")) != 0:
         return summary
     spec = cfg.teacher.model
     model = "<the base model (random_init: build it as teacher.model describes)>" if spec.random_init else spec.path
     print(next_steps(model, str(Path(cfg.out_dir) / "final"), cfg.out_dir), flush=True)
     return summary
+
+
+def train_one(cfg) -> dict:
+    """One run: the distillation, then (main process, in the run folder's lock) the policy stage."""
+    return distill(cfg, then=(lambda s: choose_policy(cfg, s)) if cfg.policy.enabled else None)
 
 
 def choose_policy(cfg, summary: dict) -> dict:
@@ -68,4 +77,4 @@ def choose_policy(cfg, summary: dict) -> dict:
     return summary
 
 
-__all__ = ["choose_policy", "train"]
+__all__ = ["choose_policy", "train", "train_one"]

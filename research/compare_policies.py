@@ -4,7 +4,8 @@ Two recipes of one model (e.g. the indexer trained per KV head and trained head-
 options) each run the policy stage, on the same validation prompts when their ``policy.*`` options agree (the stage
 records a hash of the prompts' text). The stage's rule then also chooses between the artifacts: at each validation
 (length, ratio), each artifact's chosen composition is compared by accuracy (every answer token top-1 under teacher
-forcing), then mean answer log-prob. Prompts that differ (another seed, length or count) are refused: their scores do
+forcing), then mean answer log-prob (:func:`core_kv.eval.policy_stage.head_to_head`; ``train.py``'s recipe search
+decides by the same rule). Prompts that differ (another seed, length or count) are refused: their scores do
 not compare. Nothing is evaluated or written; only the recorded scores are read (never an evaluation context).
 
     .venv/bin/python -m research.compare_policies checkpoints/core-smollm2/final runs/core-smollm2-shared/final \\
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from core_kv.eval.policy_stage import head_to_head
 from core_kv.files import read_json
 from core_kv.policy import InferencePolicy
 
@@ -28,34 +30,17 @@ def read_policy(artifact: Path) -> InferencePolicy:
     return InferencePolicy.from_dict(record, f"{cfg_file}: inference_policy")
 
 
-def chosen(band_candidates: list[dict]) -> dict:
-    """The recorded candidate the stage's rule ranks first (accuracy, then log-prob; ties: the first recorded)."""
-    return max(band_candidates, key=lambda c: (c["accuracy"], c["logprob"]))
-
-
 def compare(artifacts: list[Path], ratios: list[float] | None = None) -> list[dict]:
     """One row per (length, ratio) validated by every artifact: each artifact's chosen composition and scores, and the
-    winner. Raises ``SystemExit`` when the artifacts' prompts at a common length differ."""
-    policies = [read_policy(a) for a in artifacts]
-    rows = []
-    for length in sorted(set.intersection(*(set(p.validated_lengths) for p in policies))):
-        bands = [next(lb for lb in p.lengths if lb.length == length) for p in policies]
-        keys = {(lb.validation.get("key") or {}).get("prompts") for lb in bands}
-        if len(keys) != 1 or None in keys:
-            raise SystemExit(f"at {length} tokens the artifacts were validated on different prompts (hashes "
-                             f"{sorted(map(str, keys))}): their scores do not compare")  # fmt: skip
-        common = set.intersection(*(set(lb.candidates) for lb in bands))
-        for r in sorted(common, key=float):
-            if ratios and not any(abs(float(r) - x) < 1e-9 for x in ratios):
-                continue
-            best = [chosen(lb.candidates[r]) for lb in bands]
-            win = max(range(len(best)), key=lambda i: (best[i]["accuracy"], best[i]["logprob"]))
-            rows.append({"length": length, "ratio": float(r), "winner": str(artifacts[win]),
-                         "chosen": [{"artifact": str(a), "label": b["label"], "accuracy": b["accuracy"],
-                                     "logprob": b["logprob"], "n": b["n"]} for a, b in zip(artifacts, best, strict=True)]})  # fmt: skip
-    if not rows:
-        raise SystemExit("no (length, ratio) was validated by every artifact")
-    return rows
+    winner (:func:`core_kv.eval.policy_stage.head_to_head`, the rule the recipe search decides by). Raises
+    ``SystemExit`` when the artifacts' prompts at a common length differ."""
+    try:
+        rows = head_to_head([read_policy(a) for a in artifacts], ratios)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return [{**row, "winner": str(artifacts[row["winner"]]),
+             "chosen": [{"artifact": str(a), **c} for a, c in zip(artifacts, row["chosen"], strict=True)]}
+            for row in rows]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

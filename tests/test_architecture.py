@@ -38,7 +38,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("core_kv.memory", "core_kv.indexer", "core_kv.core_model", "core_kv.policy"),
     ("core_kv.distill", "core_kv.presses", "core_kv.pipeline"),  # two towers on one floor: neither imports the other
     ("core_kv.eval",),
-    ("core_kv.run",),  # train.py's run: distillation, then the policy stage
+    ("core_kv.run", "core_kv.search"),  # train.py's run: distillation, the policy stage; the recipe search of runs
 ]
 
 

@@ -7,11 +7,15 @@ arithmetic: documents per optimizer step = ``micro_batch × grad_accum × num_pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from core_kv.config import ConfigError, check_on_init, folder, non_empty, option
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from core_kv.config import ConfigError, built, check_on_init, field_types, folder, non_empty, option
 from core_kv.distill.replay import SELECTIONS
 from core_kv.documents import DataSpec
 from core_kv.memory import WRITE_RULES
@@ -128,6 +132,93 @@ class MemoryStage:
     gate_lr: float | None = option(5.0e-2, gt=0)
 
 
+# What a search never varies: where and how the run writes (not what it trains), the search itself, and the policy
+# stage whose validation prompts decide the contest (every contestant must be scored on the same ones).
+NOT_SEARCHED = ("out_dir", "search", "policy", "threads", "progress", "wandb", "wandb_project", "wandb_mode", "plugins",
+                "recipe", "stop_after", "overwrite", "save_every", "keep_last", "build_teacher")  # fmt: skip
+
+
+@dataclass
+class SearchConfig:
+    """A staged search over training recipes, decided on the pipeline's own validation prompts (``train.py`` runs it
+    when ``variants`` is not empty; :mod:`core_kv.search`). The base config is always a contestant (``base``); each
+    variant is another, the base with its overrides. Round 1 trains every contestant with ``short`` applied into
+    ``<out_dir>/search/<label>/`` and runs its policy stage; the ``keep`` best go on to the full schedule
+    (``<out_dir>/search/<label>-full/``), decided again when ``keep`` > 1; the winner's full run becomes
+    ``<out_dir>/final``. With ``short`` empty there is one round, at the full schedule.
+
+    Args:
+        variants: Contestants besides the base, each a mapping of dotted train options to values
+            (``{teacher.lam: 4.0}``, ``{selection: shared}``); empty: no search (one run, as before).
+        short: Overrides of round 1 only, bounding its cost (``{indexer.steps: 16, memory.steps: 0}``).
+        keep: Contestants of round 1 that go on to the full schedule (1: the winner only).
+        ratios: Validation ratios the contest is decided on (each among ``policy.ratios``): the chosen composition's
+            accuracy averaged over them (and the validation lengths), then its answer log-prob.
+    """
+
+    variants: list[dict] = option(factory=list)
+    short: dict = option(factory=dict)
+    keep: int = option(1, ge=1)
+    ratios: list[float] = option(factory=lambda: [0.75, 0.9], gt=0, lt=1, check=non_empty)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.variants)
+
+    def contestants(self) -> list[tuple[str, dict]]:
+        """``(label, overrides)`` of every contestant, the base (``base``, no override) first."""
+        return [("base", {})] + [(override_label(v), dict(v)) for v in self.variants]
+
+
+def override_label(overrides: dict) -> str:
+    """A readable folder name for a contestant: ``teacher.lam=4``, ``selection=shared,teacher.features=2``."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, float) and v.is_integer():
+            return str(int(v))
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    text = ",".join(f"{k}={value(v)}" for k, v in overrides.items())
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
+
+
+def overridden(cfg, overrides: dict, where: str):
+    """``cfg`` (a :class:`TrainConfig` or a recipe's subclass) with the dotted ``overrides`` applied and no search,
+    checked as a loaded config is; a key that is no option of the schema, or one a search never varies
+    (:data:`NOT_SEARCHED`), or a bad value raises :class:`ConfigError` naming ``where`` and the key."""
+    nested: dict = {}
+    for key, v in overrides.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{where}: keys must be dotted option names (teacher.lam), got {key!r}")
+        parts = key.split(".")
+        if parts[0] in NOT_SEARCHED or parts[0].startswith("wandb"):
+            raise ConfigError(f"{where}: {key!r} is not an option a search varies (it sets where or how the run "
+                              f"writes, the search, or the policy stage that scores every contestant alike; never "
+                              f"varied: {', '.join(NOT_SEARCHED)})")  # fmt: skip
+        cls, at = type(cfg), nested
+        for i, part in enumerate(parts):
+            names = {f.name for f in fields(cls) if f.init}
+            if part not in names:
+                section = ".".join(parts[:i]) or type(cfg).__name__
+                raise ConfigError(f"{where}: {key!r} is not an option: {section} has no {part!r} (options: "
+                                  f"{', '.join(sorted(names))})")  # fmt: skip
+            t = field_types(cls).get(part)
+            if i == len(parts) - 1:
+                at[part] = v
+            elif is_dataclass(t) and isinstance(t, type):
+                cls, at = t, at.setdefault(part, {})
+            else:
+                raise ConfigError(f"{where}: {key!r} is not an option: {'.'.join(parts[: i + 1])} is a value, not a "
+                                  "section")  # fmt: skip
+    base = replace(cfg, search=SearchConfig())
+    try:
+        return built(OmegaConf.merge(OmegaConf.structured(base), nested))
+    except (OmegaConfBaseException, ValueError, TypeError) as e:
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{where}: {f'{key}: ' if key and key not in text else ''}{text}") from None
+
+
 @dataclass
 class TrainConfig:
     """Everything ``train(cfg)`` depends on.
@@ -172,6 +263,8 @@ class TrainConfig:
             another name is a plugin's recipe (:data:`~core_kv.distill.trainer.RECIPES`).
         policy: The last stage: the inference policy chosen on the pipeline's own validation prompts and recorded in
             the artifact (:class:`~core_kv.policy.PolicyStageConfig`; ``policy.enabled=false`` skips it).
+        search: A staged recipe search decided on the policy stage's validation scores (:class:`SearchConfig`;
+            default: none, one run).
     """
 
     out_dir: str = option("runs/core-proxy", check=folder)
@@ -203,6 +296,7 @@ class TrainConfig:
     plugins: list[str] = option(factory=list)
     recipe: str = "replay"
     policy: PolicyStageConfig = field(default_factory=_proxy_policy)
+    search: SearchConfig = field(default_factory=SearchConfig)
 
     def __post_init__(self) -> None:
         check_on_init(self)  # every stage's options, before the first stage runs
@@ -221,3 +315,29 @@ class TrainConfig:
                 f"{prefix}teacher.out_dir must differ from {prefix}out_dir (both are {self.out_dir!r}): the teacher "
                 "dataset and the CORE run write files of the same names"
             )
+        if self.search.enabled:
+            self.check_search(prefix)
+
+    def check_search(self, prefix: str = "") -> None:
+        """Every contestant is a valid config (its overrides, then ``short`` on top), the labels differ, and the
+        contest can be decided (the policy stage runs, at ``search.ratios``)."""
+        s, at = self.search, f"{prefix}search."
+        if not self.policy.enabled:
+            raise ConfigError(f"{at}variants: the contest is decided on the policy stage's validation scores: set "
+                              f"{prefix}policy.enabled=true")  # fmt: skip
+        missing = [r for r in s.ratios if not any(abs(r - x) < 1e-9 for x in self.policy.ratios)]
+        if missing:
+            raise ConfigError(f"{at}ratios {missing} are not validation ratios of the policy stage "
+                              f"({prefix}policy.ratios={self.policy.ratios})")  # fmt: skip
+        overridden(self, s.short, f"{at}short")
+        labels: dict[str, int] = {}
+        for i, v in enumerate(s.variants):
+            where = f"{at}variants[{i}]"
+            if not v:
+                raise ConfigError(f"{where}: empty; the base config is always a contestant")
+            overridden(self, v, where)
+            overridden(self, {**v, **s.short}, f"{where} with {at}short")
+            label = override_label(v)
+            if label in labels:
+                raise ConfigError(f"{where} repeats {at}variants[{labels.get(label)}] ({label}): each contestant once")
+            labels[label] = i

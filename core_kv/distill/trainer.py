@@ -75,6 +75,7 @@ def _hashed(cfg) -> dict:
     """``to_dict(cfg)`` without the :data:`LATER_DEFAULTS` options that are at their default."""
     d = to_dict(cfg)
     d.pop("plugins", None)  # which modules were imported, not what is trained
+    d.pop("search", None)  # which recipes a search compares: each contestant is a run of its own, without a search
     if d.get("recipe", "replay") == "replay":  # added after artifacts were shipped; the replay recipe's hashes omit it
         d.pop("recipe", None)
     for (section, name), default in LATER_DEFAULTS.items():

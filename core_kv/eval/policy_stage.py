@@ -94,6 +94,61 @@ def choose(results: list[tuple[PolicyOptions, dict]]) -> PolicyOptions:
     return max(results, key=lambda x: (x[1]["accuracy"], x[1]["logprob"], -complexity(x[0])))[0]
 
 
+def chosen(rows: list[dict]) -> dict:
+    """The recorded candidate (a row of :attr:`~core_kv.policy.LengthBand.candidates`) the stage's rule
+    (:func:`choose`) ranks first."""
+    ranked = [(PolicyOptions.from_dict(r["options"]), r) for r in rows]
+    pick = choose(ranked)
+    return next(r for o, r in ranked if o == pick)
+
+
+CONTEST_RULE = ("each artifact's chosen composition (the policy stage's rule) at every validated (length, ratio): "
+                "highest accuracy, then highest mean answer log-prob")  # fmt: skip
+
+
+def head_to_head(policies: list[InferencePolicy], ratios: list[float] | None = None) -> list[dict]:
+    """The stage's rule between artifacts of one base model: one row per (length, ratio) that every policy validated
+    (``ratios``: only these), with each policy's chosen composition (:func:`chosen`: label, accuracy, logprob, n) and
+    ``winner``, the index of the best by :data:`CONTEST_RULE` (ties: the first). Raises ``ValueError`` when the
+    policies' prompts at a common length differ (their scores do not compare) or no (length, ratio) is common."""
+    rows = []
+    for length in sorted(set.intersection(*(set(p.validated_lengths) for p in policies)), key=lambda n: n or 0):
+        bands = [next(lb for lb in p.lengths if lb.length == length) for p in policies]
+        keys = {(lb.validation.get("key") or {}).get("prompts") for lb in bands}
+        if len(keys) != 1 or None in keys:
+            raise ValueError(f"at {length} tokens the artifacts were validated on different prompts (hashes "
+                             f"{sorted(map(str, keys))}): their scores do not compare")  # fmt: skip
+        for r in sorted(set.intersection(*(set(lb.candidates) for lb in bands)), key=float):
+            if ratios and not any(abs(float(r) - x) < 1e-9 for x in ratios):
+                continue
+            best = [chosen(lb.candidates[r]) for lb in bands]
+            win = max(range(len(best)), key=lambda i: (best[i]["accuracy"], best[i]["logprob"]))
+            rows.append({"length": length, "ratio": float(r), "winner": win,
+                         "chosen": [{k: b.get(k) for k in ("label", "accuracy", "logprob", "n")} for b in best]})  # fmt: skip
+    if not rows:
+        raise ValueError("no (length, ratio) was validated by every artifact")
+    return rows
+
+
+def contest(policies: list[InferencePolicy], ratios: list[float]) -> list[dict]:
+    """Each policy's score over ``ratios`` (and every validation length they share): the mean accuracy and mean
+    answer log-prob of its chosen compositions, with the rows they average (:func:`head_to_head`). Rank by
+    ``(accuracy, logprob)``; a ratio not validated by every policy raises ``ValueError``."""
+    rows = head_to_head(policies, ratios)
+    missing = [r for r in ratios if not any(abs(row["ratio"] - r) < 1e-9 for row in rows)]
+    if missing:
+        raise ValueError(f"ratios {missing} were not validated by every artifact (validated: "
+                         f"{sorted({row['ratio'] for row in rows})})")  # fmt: skip
+    return [
+        {
+            "accuracy": statistics.fmean(row["chosen"][i]["accuracy"] for row in rows),
+            "logprob": statistics.fmean(row["chosen"][i]["logprob"] for row in rows),
+            "per_ratio": [{"length": row["length"], "ratio": row["ratio"], **row["chosen"][i]} for row in rows],
+        }
+        for i in range(len(policies))
+    ]
+
+
 def stage_key(cfg: PolicyStageConfig, artifact: Path, prompts, length: int, per_task: int) -> dict:
     """What the cached results of one validation length depend on: the options that make its prompts, the artifact's
     weights, the prompts' text. Not the candidates or the ratios: each (ratio, candidate) result is cached under its
@@ -275,4 +330,4 @@ def _tokens(length: int | None) -> str:
     return "any" if length is None else str(length)
 
 
-__all__ = ["RULE", "choose", "policy_markdown", "record", "run_policy_stage", "score_prompt", "validate_at"]
+__all__ = ["CONTEST_RULE", "RULE", "choose", "chosen", "contest", "head_to_head", "policy_markdown", "record", "run_policy_stage", "score_prompt", "validate_at"]
