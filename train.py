@@ -9,7 +9,9 @@ Usage::
 
 With no arguments it trains the proxy recipe, ``configs/train/default.yaml`` (the ``TrainConfig`` defaults written out;
 the options below show them), building or reusing the proxy teacher data, into the run folder ``runs/core-proxy``;
-shipping it is a deliberate ``out_dir=checkpoints/<name>``. The policy stage's size is the recipe's ``policy:``
+shipping it is a deliberate ``out_dir=checkpoints/<name>``. With ``search.variants`` set, a staged recipe search trains
+the base recipe and each variant (``<out_dir>/search/<label>/``) and its winner on validation prompts becomes the
+artifact (``docs/train-your-model.md``, "Recipe search"). The policy stage's size is the recipe's ``policy:``
 section; the stage prints its prefills and an estimate of its time when it starts. The run ends by printing where the
 artifact went, the report, and the commands that load and evaluate it. Resumable: relaunch the same command.
 
@@ -19,6 +21,7 @@ Examples::
     make train ARGS="--config configs/train/quick.yaml"              # SmolLM2-135M, a first run (docs/train-your-model.md)
     make train ARGS="out_dir=/tmp/core-proxy"                        # the proxy recipe into another folder
     make train ARGS="--config my-model.yaml teacher.lam=4"           # your copy of quick.yaml, another λ
+    make train-gemma3 ARGS="--config configs/train/gemma3_search.yaml"   # λ 8 vs 2 vs 32, the best on validation
     accelerate launch train.py --config configs/train/llama31_8b.yaml    # 8 GPUs, DDP, bf16
     accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train.py --config configs/train/qwen3_8b.yaml
 

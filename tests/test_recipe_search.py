@@ -17,7 +17,7 @@ from core_kv.distill.config import TrainConfig
 from tests.helpers import run, tiny_args
 
 ROOT = Path(__file__).resolve().parents[1]
-SEARCH = ("search.variants=[{teacher.lam: 3.0}]", "search.short={indexer.steps: 1, memory.steps: 1}")
+SEARCH = ("search.variants=[{teacher.lam: 3.0}]", "search.short={indexer.steps: 1, memory.steps: 0}")
 
 
 def _record_scores(scores: dict[str, float]):
@@ -91,7 +91,7 @@ def test_the_winner_by_the_rule_becomes_the_artifact_with_the_search_recorded(se
     summary = json.loads((out / "summary.json").read_text())
     assert summary["recipe_search"] == rec and summary["artifact"] == str(out / "final")
     report = (out / "report.md").read_text()
-    assert "## Recipe search" in report and "| short (indexer.steps=1, memory.steps=1) | base | the base config | " \
+    assert "## Recipe search" in report and "| short (indexer.steps=1, memory.steps=0) | base | the base config | " \
         "0.250 (-1.000) | 0.250 (-1.000) | 0.250 (-1.000) |" in report  # fmt: skip
 
 
