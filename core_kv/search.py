@@ -169,7 +169,8 @@ def _check_folder(out: Path, cfg) -> None:
         raise ValueError(
             f"{out} holds a finished CORE artifact ({out / 'final'}) "
             + ("of another search" if isinstance(held, dict) else "that no recipe search wrote")
-            + ", which a new run never deletes: pass out_dir=<another folder>, or overwrite=true to replace it"
+            + ", which a new run never deletes: pass out_dir=<another folder>, or overwrite=true to replace it (every "
+            "contestant then retrains from scratch)"
         )
 
 

@@ -147,6 +147,23 @@ def test_ties_go_to_the_base_and_a_finished_artifact_of_no_search_is_kept(tmp_pa
     assert not (plain / "search").exists()
 
 
+def test_keep_two_decides_again_at_the_full_schedule(tmp_path, monkeypatch):
+    """``keep: 2``: both contestants go on to the full schedule and the second round decides: the variant led round 1,
+    the base wins round 2, so the artifact is the base's full run."""
+    from core_kv import run as run_module
+
+    out = tmp_path / "run"
+    scores = {"base": 0.25, "indexer.lr=0.002": 0.5, "base-full": 0.75, "indexer.lr=0.002-full": 0.5}
+    monkeypatch.setattr(run_module, "choose_policy", _record_scores(scores))
+    rec = run(tiny_args(out, tmp_path / "teacher", "search.variants=[{indexer.lr: 0.002}]", "search.keep=2",
+                        "search.short={indexer.steps: 1}", "indexer.steps=2", "memory.steps=1"))["recipe_search"]  # fmt: skip
+    assert [r["ranking"] for r in rec["rounds"]] == [["indexer.lr=0.002", "base"], ["base", "indexer.lr=0.002"]]
+    assert rec["winner"] == "base"
+    assert (out / "final" / "model.safetensors").read_bytes() == (
+        out / "search" / "base-full" / "final" / "model.safetensors"
+    ).read_bytes()
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [

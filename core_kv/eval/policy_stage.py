@@ -330,4 +330,7 @@ def _tokens(length: int | None) -> str:
     return "any" if length is None else str(length)
 
 
-__all__ = ["CONTEST_RULE", "RULE", "choose", "chosen", "contest", "head_to_head", "policy_markdown", "record", "run_policy_stage", "score_prompt", "validate_at"]
+__all__ = [
+    "CONTEST_RULE", "RULE", "choose", "chosen", "contest", "head_to_head", "policy_markdown", "record",
+    "run_policy_stage", "score_prompt", "validate_at",
+]  # fmt: skip
