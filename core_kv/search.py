@@ -63,29 +63,23 @@ def _teacher_key(teacher) -> str:
     return json.dumps({k: v for k, v in d.items() if k not in TEACHER_RUNTIME}, sort_keys=True)
 
 
-class Contestants:
-    """The configs of every (round, contestant), each with its own ``out_dir`` and a ``teacher.out_dir`` shared by the
-    contestants of equal teacher options."""
-
-    def __init__(self, cfg):
-        self.cfg, self.root = cfg, Path(cfg.out_dir) / "search"
-        base_teacher = cfg.teacher.out_dir.rstrip("/")
-        self.teachers = {_teacher_key(cfg.teacher): base_teacher}
-        self.configs: dict[tuple[str, str], object] = {}
-        for rd in rounds(cfg):
-            for label, overrides in cfg.search.contestants():
-                c = overridden(cfg, {**overrides, **rd.overrides}, f"search: {label}")
-                key = _teacher_key(c.teacher)
-                if key not in self.teachers:
-                    short = rd.name == "short" and any(k.startswith("teacher.") for k in rd.overrides)
-                    self.teachers[key] = f"{base_teacher}-{label}{'-short' if short else ''}"
-                folder = self.root / f"{label}{rd.suffix}"
-                self.configs[rd.name, label] = replace(
-                    c, out_dir=str(folder), teacher=replace(c.teacher, out_dir=self.teachers[key])
-                )
-
-    def __getitem__(self, key: tuple[str, str]):
-        return self.configs[key]
+def contestants(cfg) -> tuple[dict[tuple[str, str], object], dict[str, str]]:
+    """The config of every (round name, contestant label), each with its own ``out_dir`` and a ``teacher.out_dir``
+    shared by the contestants of equal teacher options; and those teacher folders (by teacher options)."""
+    root, base_teacher = Path(cfg.out_dir) / "search", cfg.teacher.out_dir.rstrip("/")
+    teachers = {_teacher_key(cfg.teacher): base_teacher}
+    configs = {}
+    for rd in rounds(cfg):
+        for label, overrides in cfg.search.contestants():
+            c = overridden(cfg, {**overrides, **rd.overrides}, f"search: {label}")
+            key = _teacher_key(c.teacher)
+            if key not in teachers:
+                short = rd.name == "short" and any(k.startswith("teacher.") for k in rd.overrides)
+                teachers[key] = f"{base_teacher}-{label}{'-short' if short else ''}"
+            configs[rd.name, label] = replace(
+                c, out_dir=str(root / f"{label}{rd.suffix}"), teacher=replace(c.teacher, out_dir=teachers[key])
+            )
+    return configs, teachers
 
 
 def recipe_search(cfg, train_one: Callable[[object], dict]) -> dict:
@@ -100,7 +94,7 @@ def recipe_search(cfg, train_one: Callable[[object], dict]) -> dict:
     plan = rounds(cfg)
     _check_folder(out, cfg)
     with folder_lock(out, "recipe search"):
-        runs = Contestants(cfg)
+        runs, teachers = contestants(cfg)
         kept = min(s.keep, len(labels)) if len(plan) > 1 else len(labels)
         total = len(labels) + (kept if len(plan) > 1 else 0)
         p = cfg.policy
@@ -108,7 +102,7 @@ def recipe_search(cfg, train_one: Callable[[object], dict]) -> dict:
         first = f"{len(labels)} contestants x round 1 ({_describe(plan[0].overrides) or 'full schedule'})"
         second = f" + {kept} x round 2 (full schedule)" if len(plan) > 1 else ""
         print(f"[search] {first}{second} = {total} training runs, each followed by its policy stage ({prefills} "
-              f"prefills each, {total * prefills} in all); {len(set(runs.teachers.values()))} teacher dataset(s); "
+              f"prefills each, {total * prefills} in all); {len(set(teachers.values()))} teacher dataset(s); "
               f"contestants: {', '.join(labels)}", flush=True)  # fmt: skip
         record = {"version": 1, "rule": f"mean over search.ratios {list(s.ratios)} of {CONTEST_RULE}; ties: the "
                   "earlier contestant (the base first)", "ratios": list(s.ratios), "short": dict(s.short),
@@ -116,7 +110,7 @@ def recipe_search(cfg, train_one: Callable[[object], dict]) -> dict:
                   "rounds": []}  # fmt: skip
         alive, done = labels, 0
         for r, rd in enumerate(plan):
-            if r and len(plan) > 1:
+            if r:  # round 2: the best of round 1
                 alive = alive[:kept]
             summaries = {}
             for i, label in enumerate(alive):
@@ -225,4 +219,4 @@ def search_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["Contestants", "recipe_search", "rounds", "search_markdown"]
+__all__ = ["contestants", "recipe_search", "rounds", "search_markdown"]

@@ -41,6 +41,26 @@ def _record_scores(scores: dict[str, float]):
     return stage
 
 
+def _policy(acc: float, prompts: str = "0123456789abcdef", ratios: tuple = (0.75, 0.9)):
+    from core_kv.policy import PAPER, Band, InferencePolicy, LengthBand
+
+    row = {"label": PAPER.describe(), "options": PAPER.to_dict(), "accuracy": acc, "logprob": -acc, "n": 8}
+    bands = [Band(1.0 if i == len(ratios) - 1 else r + 0.01, PAPER, r) for i, r in enumerate(ratios)]
+    return InferencePolicy([LengthBand(256, bands, 0, {str(r): [row] for r in ratios}, {"key": {"prompts": prompts}})])
+
+
+def test_the_contest_averages_the_ratios_and_refuses_what_does_not_compare():
+    from core_kv.eval.policy_stage import contest
+
+    scores = contest([_policy(0.5), _policy(0.25)], [0.75, 0.9])
+    assert [(s["accuracy"], s["logprob"], len(s["per_ratio"])) for s in scores] == [(0.5, -0.5, 2), (0.25, -0.25, 2)]
+    assert contest([_policy(0.5)], [0.9])[0]["per_ratio"][0]["ratio"] == 0.9  # only the contest's ratios
+    with pytest.raises(ValueError, match=r"at 256 tokens the artifacts were validated on different prompts"):
+        contest([_policy(0.5), _policy(0.5, prompts="ffffffffffffffff")], [0.75])
+    with pytest.raises(ValueError, match=r"ratios \[0\.9\] were not validated by every artifact"):
+        contest([_policy(0.5), _policy(0.5, ratios=(0.75,))], [0.75, 0.9])
+
+
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     """A finished search (base vs λ = 3, the variant scoring higher) and the number of trainings it ran."""
@@ -80,11 +100,11 @@ def test_the_winner_by_the_rule_becomes_the_artifact_with_the_search_recorded(se
     assert [r["name"] for r in rec["rounds"]] == ["short", "full"]
     assert rec["rounds"][0]["ranking"] == ["teacher.lam=3", "base"]
     assert rec["rounds"][0]["scores"]["base"]["accuracy"] == 0.25  # the chosen composition: the paper's press
-    assert [(x["ratio"], x["label"]) for x in rec["rounds"][0]["scores"]["base"]["per_ratio"]] == [
+    assert [(x["ratio"], x["composition"]) for x in rec["rounds"][0]["scores"]["base"]["per_ratio"]] == [
         (0.75, "uniform, memory"), (0.9, "uniform, memory")]  # fmt: skip
     assert rec["rounds"][1]["scores"] == {"teacher.lam=3": {
         "accuracy": 0.75, "logprob": -1.0, "per_ratio": [
-            {"length": 256, "ratio": r, "label": "uniform, memory", "accuracy": 0.75, "logprob": -1.0, "n": 8}
+            {"length": 256, "ratio": r, "composition": "uniform, memory", "accuracy": 0.75, "logprob": -1.0, "n": 8}
             for r in (0.75, 0.9)]}}  # fmt: skip
     core = CoreModel.from_pretrained(out / "final")  # the record is checked at load
     assert core.config.teacher["lam"] == 3.0 and core.config.inference_policy["lengths"][0]["length"] == 256

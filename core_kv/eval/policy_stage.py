@@ -132,7 +132,8 @@ def head_to_head(policies: list[InferencePolicy], ratios: list[float] | None = N
 
 def contest(policies: list[InferencePolicy], ratios: list[float]) -> list[dict]:
     """Each policy's score over ``ratios`` (and every validation length they share): the mean accuracy and mean
-    answer log-prob of its chosen compositions, with the rows they average (:func:`head_to_head`). Rank by
+    answer log-prob of its chosen compositions, with the rows they average (``per_ratio``: length, ratio, the chosen
+    composition's label, accuracy, logprob, n; :func:`head_to_head`). Rank by
     ``(accuracy, logprob)``; a ratio not validated by every policy raises ``ValueError``."""
     rows = head_to_head(policies, ratios)
     missing = [r for r in ratios if not any(abs(row["ratio"] - r) < 1e-9 for row in rows)]
@@ -143,7 +144,15 @@ def contest(policies: list[InferencePolicy], ratios: list[float]) -> list[dict]:
         {
             "accuracy": statistics.fmean(row["chosen"][i]["accuracy"] for row in rows),
             "logprob": statistics.fmean(row["chosen"][i]["logprob"] for row in rows),
-            "per_ratio": [{"length": row["length"], "ratio": row["ratio"], **row["chosen"][i]} for row in rows],
+            "per_ratio": [
+                {
+                    "length": row["length"],
+                    "ratio": row["ratio"],
+                    "composition": row["chosen"][i]["label"],
+                    **{k: row["chosen"][i][k] for k in ("accuracy", "logprob", "n")},
+                }
+                for row in rows
+            ],
         }
         for i in range(len(policies))
     ]
