@@ -193,6 +193,8 @@ def test_keep_two_decides_again_at_the_full_schedule(tmp_path, monkeypatch):
         ("search.variants=[{wandb_mode: online}]", r"search\.variants\[0\]: 'wandb_mode' is not an option a search varies"),
         ("search.variants=[{teacher.lam: -1}]", r"search\.variants\[0\]: teacher\.lam must be .*>= 0, got -1"),
         ("search.variants=[{teacher.lam.x: 1}]", r"search\.variants\[0\]: 'teacher\.lam\.x' is not an option: teacher\.lam is a value"),
+        ("search.variants=[{teacher.model: {path: x}}]", r"search\.variants\[0\]: 'teacher\.model' is a section: give its options by dotted name"),
+        ("search.variants=[{teacher.lam: abc}]", r"search\.variants\[0\]: teacher\.lam: Value 'abc'"),
         ("search.variants=[{}]", r"search\.variants\[0\]: empty; the base config is always a contestant"),
         ("search.variants=[{teacher.lam: 4}, {teacher.lam: 4.0}]", r"search\.variants\[1\] repeats search\.variants\[0\]"),
         ("search.short={search.keep: 2}", r"search\.short: 'search\.keep' is not an option a search varies"),
@@ -201,6 +203,17 @@ def test_keep_two_decides_again_at_the_full_schedule(tmp_path, monkeypatch):
 def test_bad_variants_are_refused_at_load_by_name(option, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TrainConfig, ["search.variants=[{indexer.lr: 0.002}]", option])
+
+
+def test_a_mapping_option_is_replaced_whole_not_merged():
+    from core_kv.distill.config import overridden
+
+    variant = 'search.variants=[{teacher.lam_layers: {"17": 8.0}}]'
+    cfg = load_config(TrainConfig, ['teacher.lam_layers={"18-21": 32.0}', variant])
+    label, overrides = cfg.search.contestants()[1]
+    assert label == "teacher.lam_layers=17_8"
+    assert overridden(cfg, overrides, "x").teacher.lam_layers == {"17": 8.0}
+    assert cfg.teacher.lam_layers == {"18-21": 32.0}
 
 
 def test_the_contest_needs_the_policy_stage_at_its_ratios():

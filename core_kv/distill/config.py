@@ -171,9 +171,14 @@ class SearchConfig:
 
 
 def override_label(overrides: dict) -> str:
-    """A readable folder name for a contestant: ``teacher.lam=4``, ``selection=shared,teacher.features=2``."""
+    """A readable folder name for a contestant: ``teacher.lam=4``, ``selection=shared,teacher.features=2``,
+    ``teacher.lam_layers=17_32`` (characters outside ``A-Za-z0-9._=,+-`` become ``_``)."""
 
     def value(v: Any) -> str:
+        if isinstance(v, dict):
+            return "+".join(f"{k}_{value(x)}" for k, x in v.items())
+        if isinstance(v, (list, tuple)):
+            return "+".join(map(value, v))
         if isinstance(v, float) and v.is_integer():
             return str(int(v))
         return str(v).lower() if isinstance(v, bool) else str(v)
@@ -186,8 +191,7 @@ def overridden(cfg, overrides: dict, where: str):
     """``cfg`` (a :class:`TrainConfig` or a recipe's subclass) with the dotted ``overrides`` applied and no search,
     checked as a loaded config is; a key that is no option of the schema, or one a search never varies
     (:data:`NOT_SEARCHED`), or a bad value raises :class:`ConfigError` naming ``where`` and the key."""
-    nested: dict = {}
-    for key, v in overrides.items():
+    for key in overrides:
         if not isinstance(key, str) or not key:
             raise ConfigError(f"{where}: keys must be dotted option names (teacher.lam), got {key!r}")
         parts = key.split(".")
@@ -195,24 +199,26 @@ def overridden(cfg, overrides: dict, where: str):
             raise ConfigError(f"{where}: {key!r} is not an option a search varies (it sets where or how the run "
                               f"writes, the search, or the policy stage that scores every contestant alike; never "
                               f"varied: {', '.join(NOT_SEARCHED)})")  # fmt: skip
-        cls, at = type(cfg), nested
+        cls = type(cfg)
         for i, part in enumerate(parts):
             names = {f.name for f in fields(cls) if f.init}
             if part not in names:
                 section = ".".join(parts[:i]) or type(cfg).__name__
                 raise ConfigError(f"{where}: {key!r} is not an option: {section} has no {part!r} (options: "
                                   f"{', '.join(sorted(names))})")  # fmt: skip
-            t = field_types(cls).get(part)
-            if i == len(parts) - 1:
-                at[part] = v
-            elif is_dataclass(t) and isinstance(t, type):
-                cls, at = t, at.setdefault(part, {})
-            else:
+            cls = field_types(cls).get(part)
+            section = is_dataclass(cls) and isinstance(cls, type)
+            if i < len(parts) - 1 and not section:
                 raise ConfigError(f"{where}: {key!r} is not an option: {'.'.join(parts[: i + 1])} is a value, not a "
                                   "section")  # fmt: skip
-    base = replace(cfg, search=SearchConfig())
+            if i == len(parts) - 1 and section:
+                raise ConfigError(f"{where}: {key!r} is a section: give its options by dotted name "
+                                  f"({key}.{fields(cls)[0].name}: ...)")  # fmt: skip
     try:
-        return built(OmegaConf.merge(OmegaConf.structured(base), nested))
+        conf = OmegaConf.structured(replace(cfg, search=SearchConfig()))
+        for key, v in overrides.items():  # replaced whole (a mapping too: never merged with the base's)
+            OmegaConf.update(conf, key, v, merge=False)
+        return built(conf)
     except (OmegaConfBaseException, ValueError, TypeError) as e:
         text = (str(e).strip().splitlines() or [type(e).__name__])[0]
         key = getattr(e, "full_key", None)
