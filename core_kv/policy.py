@@ -10,7 +10,8 @@ compression_ratio=r)`` applies, at each prefill, the band of r at the validated 
 
 A length band (:class:`LengthBand`) holds the ratio bands chosen at one validation length; a ratio band covers the
 ratios ``(previous upto, upto]``, the last one everything above. An artifact without a recorded policy runs the
-paper's press (:data:`PAPER`: uniform per-head budgets, memory in every layer).
+paper's press (:data:`PAPER`: uniform per-head budgets, memory in every layer). An artifact that won ``train.py``'s
+recipe search also records the search (``recipe_search``, checked at load by :func:`check_recipe_search`).
 """
 
 from __future__ import annotations
