@@ -31,6 +31,7 @@ ENTRY_POINTS = [
     ("scripts/kvpress_compare.py", "file"),
     ("scripts/plot_grid.py", "file"),
     ("scripts/measure_docs.py", "file"),
+    ("scripts/revalidate_policy.py", "file"),
     *[(f"benchmarks/{p.name}", "file") for p in sorted((ROOT / "benchmarks").glob("*.py")) if p.stem != "__init__"],
 ]
 
