@@ -11,7 +11,8 @@ in Python-documentation prose, seeds >= 2000 here, never an evaluation context),
    artifact's λ;
 2. each selector compresses the context in one-shot prefill and answers greedily on that cache (the harness's
    protocol, :func:`core_kv.pipeline.answer_questions`' two steps): ``teacher`` (Top-B of p*, :class:`TargetPress`),
-   ``utility`` (Top-B of π_U, the λ = 0 teacher), and any press (``core``: the artifact with no options; ``bare``:
+   ``utility`` (Top-B of π_U, the λ = 0 teacher), ``no_<feature>`` (the artifact's indexer with that standardised
+   feature at its training mean, 0, in every compressed layer), and any press (``core``: the artifact with no options; ``bare``:
    its scorer alone, ``core_scorer``; ``twinkv``, ``keydiff``, ``valuediff``); the retained positions of each layer
    are read off the cache (:func:`research.retention_audit.kept_positions`) and the answer's value tokens located in
    the context (``answer kept``: the share of them kept, per compressed layer);
@@ -45,6 +46,11 @@ from core_kv.presses.base import ScorerPress
 
 RATIOS = (0.75, 0.9)
 SELECTORS = ("teacher", "utility")  # built here from the teacher's targets; every other method is a press name
+ABLATED = "no_"  # no_<feature>: the artifact's indexer with that standardised feature at its training mean (0)
+
+
+def is_selector(method: str) -> bool:
+    return method in SELECTORS or method.startswith(ABLATED)
 
 
 @dataclass
@@ -99,7 +105,8 @@ def make_press(method: str, ratio: float, press_options: dict):
     return build_press(opts.pop("kind", method), compression_ratio=ratio, **opts)
 
 
-def analyse_prompt(model, tok, core, prompt, methods, score_methods, ratios, press_options, max_new_tokens) -> dict:
+def analyse_prompt(model, tok, core, prompt, methods, score_methods, ratios, press_options, max_new_tokens,
+                   skip_full=False) -> dict:
     """Every measurement of one validation prompt (module docstring)."""
     from transformers import DynamicCache
 
@@ -125,13 +132,18 @@ def analyse_prompt(model, tok, core, prompt, methods, score_methods, ratios, pre
     geometry = core.geometry()
     windows = window_layers(model)
     layers = [i for i in range(len(acts)) if i not in windows]
-    targets = {"teacher": {}, "utility": {}}
+    targets = {m: {} for m in [*SELECTORS, *(m for m in methods if m.startswith(ABLATED))]}
+    names = list(core.config.feature_spec["names"])
     feat_rows = {}
     with torch.no_grad():
         for layer in layers:
             (ev,) = replay_layer(acts[layer], layer, [n], n, geometry, spec, core.indexer.scores)
             targets["teacher"][layer] = ev.p_star.float()
             targets["utility"][layer] = ev.pi_u.float()
+            for m in [m for m in targets if m.startswith(ABLATED)]:
+                x = core.indexer.standardize(layer, ev.features)
+                x[..., names.index(m.removeprefix(ABLATED))] = 0.0
+                targets[m][layer] = core.indexer.layers[layer](x).squeeze(-1)
             prot = ev.protected
             free = ~prot
             x = core.indexer.standardize(layer, ev.features)
@@ -187,12 +199,12 @@ def analyse_prompt(model, tok, core, prompt, methods, score_methods, ratios, pre
         model.model(input_ids=enc.context_ids, past_key_values=full)
         full_keys = [lay.keys for lay in full.layers]
     sinks, recent = spec.protected_sinks, spec.protected_recent
-    cells = [("full", 0.0)] + [(m, r) for m in methods for r in ratios]
+    cells = [("full", 0.0)] * (not skip_full) + [(m, r) for m in methods for r in ratios]
     for method, ratio in cells:
         t1 = time.perf_counter()
         if method == "full":
             press = None
-        elif method in SELECTORS:
+        elif is_selector(method):
             press = TargetPress(compression_ratio=ratio, protected_sinks=sinks, protected_recent=recent,
                                 targets=targets[method])  # fmt: skip
         else:
@@ -221,9 +233,13 @@ def run(args) -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
     core = CoreModel.from_pretrained(args.artifact, base_model=model).eval()
+    names = core.config.feature_spec["names"]
+    bad = [m for m in args.methods if m.startswith(ABLATED) and m.removeprefix(ABLATED) not in names]
+    if bad:
+        raise SystemExit(f"--methods {' '.join(bad)}: not a feature of {args.artifact} ({', '.join(names)})")
     options = parse_press_options(args.press_option)
     for m in [*args.methods, *args.score_methods]:
-        if m not in SELECTORS:
+        if not is_selector(m):
             options.setdefault(m, {})
     for m in ("core", "bare"):
         if m in options:
@@ -240,7 +256,7 @@ def run(args) -> None:
                 continue
             t0 = time.perf_counter()
             row = analyse_prompt(model, tok, core, p, args.methods, args.score_methods, args.ratios, options,
-                                 args.max_new_tokens)  # fmt: skip
+                                 args.max_new_tokens, args.skip_full)  # fmt: skip
             row.update({"index": i, "seed": args.seed, "model": args.model, "artifact": args.artifact,
                         "seconds": time.perf_counter() - t0})  # fmt: skip
             with out.open("a") as f:  # one line per finished prompt: a restart resumes after it
@@ -253,47 +269,66 @@ def mean(xs) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
+def layer_groups(spec: str, layers: list[int]) -> dict[str, list[int]]:
+    """``--layers``: ``""`` (each compressed layer; all pooled past 6), ``all``, or comma-separated ranges ``a-b``."""
+    if not spec:
+        return {f"L{l}": [l] for l in layers} if len(layers) <= 6 else {"all": layers}
+    if spec == "all":
+        return {"all": layers}
+    out = {}
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out[f"L{part}"] = [l for l in layers if int(lo) <= l <= int(hi or lo)]
+    return out
+
+
 def table(args) -> None:
     rows = [json.loads(line) for path in args.files for line in Path(path).read_text().splitlines()]
+    rows = [r for r in rows if not args.tasks or r["task"] in args.tasks]
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    layers = rows[0]["layers"]
+    groups = layer_groups(args.layers, rows[0]["layers"])
     counts = ", ".join(f"{t} x{sum(r['task'] == t for r in rows)}" for t in tasks)
     seeds = sorted({r["seed"] for r in rows})
-    print(f"prompts: {counts} (core_kv.eval.validation, seed {seeds}, {rows[0]['model']})\n")
-    ratios = list(rows[0]["features"][str(layers[0])]["kept"])
-    print("Answer (value) tokens kept per compressed layer, mean over prompts: teacher = Top-B of p*, utility = Top-B "
-          "of π_U (λ = 0), bare = the artifact's indexer alone, all at the one-shot event; other rows from the "
-          "press's own retained sets\n")  # fmt: skip
-    print("| selector | " + " | ".join(f"L{l} @{float(r):.2f}" for r in ratios for l in layers) + " |")
-    print("|---|" + "---|" * (len(layers) * len(ratios)))
+    print(f"prompts: {counts} (core_kv.eval.validation, seed {seeds}, {rows[0]['model']}, {rows[0]['artifact']})\n")
+    ratios = list(rows[0]["features"][str(rows[0]["layers"][0])]["kept"])
+
+    def per_group(fn) -> list[float]:  # fn(row, layer) -> value: mean over prompts and the group's layers
+        return [mean(fn(row, l) for row in rows for l in g) for g in groups.values()]
+
+    print("Answer (value) tokens kept, mean over prompts: teacher = Top-B of p*, utility = Top-B of π_U (λ = 0), "
+          "bare = the artifact's indexer alone, at the one-shot event; other rows: the press's own retained sets\n")
+    print("| selector | " + " | ".join(f"{g} @{float(r):.2f}" for r in ratios for g in groups) + " |")
+    print("|---|" + "---|" * (len(groups) * len(ratios)))
     for sel in ("teacher", "utility", "bare"):
-        vals = [mean(row["features"][str(l)]["kept"][r][sel] for row in rows) for r in ratios for l in layers]
+        vals = [v for r in ratios for v in per_group(lambda row, l, r=r: row["features"][str(l)]["kept"][r][sel])]
         print(f"| {sel} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     presses = list(dict.fromkeys(c["method"] for row in rows for c in row["cells"] if "answer_kept" in c))
-    for m in [p for p in presses if p not in SELECTORS]:
-        vals = [mean(c["answer_kept"][str(l)] for row in rows for c in row["cells"]
-                     if c["method"] == m and c["ratio"] == float(r)) for r in ratios for l in layers]  # fmt: skip
+    for m in [p for p in presses if not is_selector(p)]:
+
+        def kept(row, l, r, m=m):
+            return next(c["answer_kept"][str(l)] for c in row["cells"] if c["method"] == m and c["ratio"] == float(r))
+
+        vals = [v for r in ratios for v in per_group(lambda row, l, r=r: kept(row, l, r))]
         print(f"| {m} (press) | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     for m in dict.fromkeys(k.split("@")[0] for row in rows for k in row.get("score_kept", {})):
-        vals = [mean(row["score_kept"][f"{m}@{float(r)}"][str(l)] for row in rows) for r in ratios for l in layers]
+        vals = [v for r in ratios
+                for v in per_group(lambda row, l, r=r, m=m: row["score_kept"][f"{m}@{float(r)}"][str(l)])]  # fmt: skip
         print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     cells = list(dict.fromkeys((c["method"], c["ratio"]) for r in rows for c in r["cells"]))
     if cells:
-        print("\nAnswer tokens kept per compressed layer (mean over prompts) and greedy accuracy per task\n")
-        print("| method | ratio | " + " | ".join(f"kept L{l}" for l in layers) + " | "
-              + " | ".join(f"acc {t}" for t in tasks) + " |")  # fmt: skip
-        print("|---|---|" + "---|" * (len(layers) + len(tasks)))
+        print("\nGreedy accuracy (the value's digits in the answer) per task\n")
+        print("| method | ratio | " + " | ".join(tasks) + " | all |")
+        print("|---|---|" + "---|" * (len(tasks) + 1))
         for m, ratio in cells:
-            sel = [c for r in rows for c in r["cells"] if c["method"] == m and c["ratio"] == ratio]
-            kept = [mean(c["answer_kept"][str(l)] for c in sel) if "answer_kept" in sel[0] else float("nan")
-                    for l in layers]  # fmt: skip
             acc = []
-            for t in tasks:
-                ok = [c["ok"] for r in rows if r["task"] == t for c in r["cells"] if c["method"] == m and c["ratio"] == ratio]
+            for t in [*tasks, None]:
+                ok = [c["ok"] for r in rows if t in (None, r["task"]) for c in r["cells"]
+                      if c["method"] == m and c["ratio"] == ratio]  # fmt: skip
                 acc.append(f"{sum(ok)}/{len(ok)}")
-            print(f"| {m} | {ratio:.2f} | " + " | ".join(f"{k:.2f}" for k in kept) + " | " + " | ".join(acc) + " |")
-        print("\nPaired comparisons (per-prompt correctness, all tasks pooled): wins / losses of A against B, and the "
-              "prompts per arm needed to separate a 10-point difference (two-sided 5%, power 80%, paired)\n")
+            print(f"| {m} | {ratio:.2f} | " + " | ".join(acc) + " |")
+        print("\nPaired comparisons (per-prompt correctness, the tasks above pooled): prompts only A / only B answers, "
+              "the SE of the accuracy difference, and the prompts needed to separate a 10-point difference with this "
+              "paired variance (two-sided 5%, power 80%)\n")  # fmt: skip
         print("| ratio | A | B | acc A | acc B | A only | B only | SE of the difference | prompts for 10 points |")
         print("|---|---|---|---|---|---|---|---|---|")
         methods = list(dict.fromkeys(m for m, _ in cells if m != "full"))
@@ -305,34 +340,33 @@ def table(args) -> None:
                 if not pairs:
                     continue
                 k = len(pairs)
-                d = [float(x) - float(y) for x, y in pairs]
-                var = statistics.pvariance(d) if k > 1 else 0.0
-                need = math.ceil((1.96 + 0.84) ** 2 * max(var, 1e-9) / 0.1**2)
+                var = statistics.pvariance([float(x) - float(y) for x, y in pairs]) if k > 1 else 0.0
+                need = math.ceil((1.96 + 0.84) ** 2 * var / 0.1**2) if var > 0 else "–"
                 print(f"| {ratio:.2f} | {a} | {b} | {mean(x for x, _ in pairs):.2f} | {mean(y for _, y in pairs):.2f} | "
                       f"{sum(x and not y for x, y in pairs)} | {sum(y and not x for x, y in pairs)} | "
                       f"{math.sqrt(var / k):.3f} | {need} |")  # fmt: skip
-    nf = len(rows[0]["features"][str(layers[0])]["spearman_pstar"])
+    first = rows[0]["features"][str(rows[0]["layers"][0])]
     spec_names = json.loads((Path(rows[0]["artifact"]) / "config.json").read_text())["feature_spec"]["names"]
-    print("\nSpearman correlation with the teacher's p* over the free candidates (mean over prompts), and the "
-          "indexer's leave-one-out (feature at its training mean): answer tokens kept and Top-B overlap with the "
-          "teacher at each ratio, layers pooled\n")  # fmt: skip
-    print("| feature | " + " | ".join(f"ρ(f, p*) L{l}" for l in layers) + " | "
+    print("\nSpearman correlation with the teacher's p* over the free candidates (mean over prompts and KV heads), and "
+          "the indexer's leave-one-out (one standardised feature set to its training mean, 0): answer tokens kept and "
+          "Top-B overlap with the teacher's free picks, layers pooled; first row: the intact indexer\n")  # fmt: skip
+    print("| feature | " + " | ".join(f"ρ(f, p*) {g}" for g in groups) + " | "
           + " | ".join(f"answer kept @{float(r):.2f} | overlap @{float(r):.2f}" for r in ratios) + " |")  # fmt: skip
-    print("|---|" + "---|" * (len(layers) + 2 * len(ratios)))
+    print("|---|" + "---|" * (len(groups) + 2 * len(ratios)))
+    everything = [l for g in groups.values() for l in g]
 
     def loo(f: int, r: str, key: str) -> float:
-        return mean(row["features"][str(l)]["loo"][r][f + 1][key] for row in rows for l in layers)
+        return mean(row["features"][str(l)]["loo"][r][f + 1][key] for row in rows for l in everything)
 
-    print("| (student logits) | " + " | ".join(f"{mean(row['features'][str(l)]['spearman_student'] for row in rows):.2f}"
-                                           for l in layers) + " | "
+    rho = per_group(lambda row, l: row["features"][str(l)]["spearman_student"])
+    print("| (student logits) | " + " | ".join(f"{x:+.2f}" for x in rho) + " | "
           + " | ".join(f"{loo(-1, r, 'answer'):.2f} | {loo(-1, r, 'overlap'):.2f}" for r in ratios) + " |")  # fmt: skip
-    for f in range(nf):
-        rho = [mean(row["features"][str(l)]["spearman_pstar"][f] for row in rows) for l in layers]
+    for f in range(len(first["spearman_pstar"])):
+        rho = per_group(lambda row, l, f=f: row["features"][str(l)]["spearman_pstar"][f])
         print(f"| {spec_names[f]} | " + " | ".join(f"{x:+.2f}" for x in rho) + " | "
               + " | ".join(f"{loo(f, r, 'answer'):.2f} | {loo(f, r, 'overlap'):.2f}" for r in ratios) + " |")  # fmt: skip
-    secs = [r["seconds"] for r in rows]
-    print(f"\nrun time: {mean(secs):.0f} s per prompt ({mean(r['teacher_seconds'] for r in rows):.0f} s of it the "
-          "capture and the teacher)")  # fmt: skip
+    print(f"\nrun time: {mean(r['seconds'] for r in rows):.0f} s per prompt ({mean(r['teacher_seconds'] for r in rows):.0f}"
+          " s of it the capture, the teacher and the scorer presses' sets)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -342,11 +376,13 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--model", default="gemma3-270m")
     r.add_argument("--artifact", default="checkpoints/core-gemma3-270m/final")
     r.add_argument("--methods", nargs="*", default=["teacher", "utility", "core", "twinkv"],
-                   help=f"{', '.join(SELECTORS)} or press names / labels (--press-option label.kind=<press>); "
+                   help=f"{', '.join(SELECTORS)}, {ABLATED}<feature> (the indexer with that feature at its mean, "
+                        "served as a press) or press names / labels (--press-option label.kind=<press>); "
                         "core and bare (core_scorer) get --artifact; none: features only")  # fmt: skip
     r.add_argument("--score-methods", nargs="*", default=["keydiff", "valuediff"],
                    help="scorer presses whose retained sets are read from their compress() on the captured cache "
                         "(no prefill, no answer)")  # fmt: skip
+    r.add_argument("--skip-full", action="store_true", help="no full-cache answer (measured in another file)")
     r.add_argument("--press-option", action="append", default=[], help="method.option=value (JSON values)")
     r.add_argument("--tasks", nargs="+", default=["single_noise", "single_prose"])
     r.add_argument("--per-task", type=int, default=8)
@@ -358,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--out", required=True, help="JSON lines, one per prompt (appended; finished prompts skipped)")
     t = sub.add_parser("table", help="print the tables of one or more --out files")
     t.add_argument("files", nargs="+")
+    t.add_argument("--tasks", nargs="*", default=[], help="only these tasks' prompts (default: all)")
+    t.add_argument("--layers", default="", help="layer groups: all, or ranges a-b,c (default: each, all past 6)")
     args = ap.parse_args(argv)
     if args.cmd == "run":
         if args.seed < 2000:
