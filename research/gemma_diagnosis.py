@@ -22,12 +22,16 @@ in Python-documentation prose, seeds >= 2000 here, never an evaluation context),
 
 ``run`` appends one JSON line per prompt (resumable: finished prompts are skipped); ``table`` prints the tables.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m research.gemma_diagnosis run --tasks single_noise single_prose \\
-        --per-task 8 --seed 2000 --out runs/diag/gemma_diag.jsonl
-    .venv/bin/python -m research.gemma_diagnosis table runs/diag/gemma_diag.jsonl
+    OMP_NUM_THREADS=1 .venv/bin/python -m research.gemma_diagnosis run --tasks single_prose --per-task 12 \\
+        --seed 2000 --out runs/diag/gemma_diag.jsonl
+    .venv/bin/python -m research.gemma_diagnosis table runs/diag/gemma_diag.jsonl --tasks single_prose
     OMP_NUM_THREADS=1 .venv/bin/python -m research.gemma_diagnosis run --model smollm2-135m \\
-        --artifact checkpoints/core-smollm2/final --methods --tasks single_noise single_prose --per-task 4 \\
-        --seed 2000 --out runs/diag/smollm2_features.jsonl      # features only (no presses)
+        --artifact checkpoints/core-smollm2/final --methods --score-methods --tasks single_prose single_noise \\
+        --per-task 4 --seed 2000 --out runs/diag/smollm2_features.jsonl      # features only (no presses)
+    .venv/bin/python -m research.gemma_diagnosis table runs/diag/smollm2_features.jsonl --layers 18-21
+
+The commands of every table, and what they showed: ``docs/method.md``, "CORE on Gemma-3-270M: where the SmolLM2
+recipe breaks".
 """
 
 from __future__ import annotations
@@ -76,27 +80,6 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ra * rb).sum()) / den if den > 0 else 0.0
 
 
-def value_positions(tok, enc_ctx: list[int], context: str, values: list[str], use_chat: bool) -> set[int]:
-    """Context positions of the answer's value tokens (every value of the prompt's answer)."""
-    if use_chat:  # locate the context text inside the chat template's text
-        sep = "#" * (len(context) + 10)
-        text = tok.apply_chat_template([{"role": "user", "content": context + sep}], add_generation_prompt=True,
-                                       tokenize=False).split(sep)[0]  # fmt: skip
-        head = []
-    else:
-        text = context
-        head = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    if head + enc["input_ids"] != enc_ctx:
-        raise RuntimeError("the diagnosis's context ids differ from the pipeline's")
-    out = set()
-    for v in values:
-        a = text.index(v)
-        b = a + len(v)
-        out |= {len(head) + i for i, (x, y) in enumerate(enc["offset_mapping"]) if x < b and y > a}
-    return out
-
-
 def make_press(method: str, ratio: float, press_options: dict):
     """The press ``method`` names (a label with ``kind`` in its options, or a press name) at ``ratio``."""
     from core_kv.presses import build_press
@@ -105,8 +88,9 @@ def make_press(method: str, ratio: float, press_options: dict):
     return build_press(opts.pop("kind", method), compression_ratio=ratio, **opts)
 
 
-def analyse_prompt(model, tok, core, prompt, methods, score_methods, ratios, press_options, max_new_tokens,
-                   skip_full=False) -> dict:
+def analyse_prompt(
+    model, tok, core, prompt, methods, score_methods, ratios, press_options, max_new_tokens, skip_full=False
+) -> dict:
     """Every measurement of one validation prompt (module docstring)."""
     from transformers import DynamicCache
 
@@ -114,16 +98,20 @@ def analyse_prompt(model, tok, core, prompt, methods, score_methods, ratios, pre
     from core_kv.distill.replay import ReplaySpec, capture, replay_layer
     from core_kv.models.attention import window_layers
     from core_kv.pipeline import encode, greedy_answer, prefill
-    from research.retention_audit import kept_positions
+    from research.retention_audit import context_ids_and_spans, kept_positions
 
-    use_chat = getattr(tok, "chat_template", None) is not None
     enc = encode(tok, prompt.context, [prompt.question], [prompt.prefix])
     ctx = enc.context_ids[0].tolist()
     n = len(ctx)
     q_ids = enc.question_ids[0]
     answer = tok.encode(prompt.answer, add_special_tokens=False)
     values = [v for v in prompt.answer.replace(".", " ").split() if v.isdigit()]
-    vpos = value_positions(tok, ctx, prompt.context, values, use_chat)
+    vpos = set()
+    for v in values:  # the value's token positions, located as the retention audit locates a needle's
+        ids_v, _, span = context_ids_and_spans(tok, {"context": prompt.context, "needle": v, "value": v})
+        if ids_v != ctx:
+            raise RuntimeError("the diagnosis's context ids differ from the pipeline's")
+        vpos |= span
     ids = torch.tensor([ctx + q_ids[0].tolist() + answer])
     t0 = time.perf_counter()
     inputs: dict = {}
@@ -182,9 +170,15 @@ def analyse_prompt(model, tok, core, prompt, methods, score_methods, ratios, pre
                 for layer in layers:
                     module, hs, (cos, sin) = inputs[layer]
                     a = acts[layer]
-                    idx = press.compress(module, hs[:, :n], a.k_post[None, :, :n].to(hs.dtype),
-                                         a.v[None, :, :n].to(hs.dtype), None,
-                                         {"position_embeddings": (cos[:, :n], sin[:, :n])}, kept_tokens(n, r))[0]
+                    idx = press.compress(
+                        module,
+                        hs[:, :n],
+                        a.k_post[None, :, :n].to(hs.dtype),
+                        a.v[None, :, :n].to(hs.dtype),
+                        None,
+                        {"position_embeddings": (cos[:, :n], sin[:, :n])},
+                        kept_tokens(n, r),
+                    )[0]
                     kept[str(layer)] = float(torch.isin(idx, torch.tensor(sorted(vpos))).sum(-1).float().mean()
                                              / len(vpos))  # fmt: skip
                 score_kept[f"{m}@{r}"] = kept
@@ -295,12 +289,16 @@ def table(args) -> None:
     def per_group(fn) -> list[float]:  # fn(row, layer) -> value: mean over prompts and the group's layers
         return [mean(fn(row, l) for row in rows for l in g) for g in groups.values()]
 
-    print("Answer (value) tokens kept, mean over prompts: teacher = Top-B of p*, utility = Top-B of π_U (λ = 0), "
-          "bare = the artifact's indexer alone, at the one-shot event; other rows: the press's own retained sets\n")
+    print(
+        "Answer (value) tokens kept, mean over prompts: teacher = Top-B of p*, utility = Top-B of π_U (λ = 0), "
+        "bare = the artifact's indexer alone, at the one-shot event; other rows: the press's own retained sets\n"
+    )
     print("| selector | " + " | ".join(f"{g} @{float(r):.2f}" for r in ratios for g in groups) + " |")
     print("|---|" + "---|" * (len(groups) * len(ratios)))
     for sel in ("teacher", "utility", "bare"):
-        vals = [v for r in ratios for v in per_group(lambda row, l, r=r: row["features"][str(l)]["kept"][r][sel])]
+        vals = [
+            v for r in ratios for v in per_group(lambda row, l, r=r, sel=sel: row["features"][str(l)]["kept"][r][sel])
+        ]
         print(f"| {sel} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     presses = list(dict.fromkeys(c["method"] for row in rows for c in row["cells"] if "answer_kept" in c))
     for m in [p for p in presses if not is_selector(p)]:
@@ -334,8 +332,12 @@ def table(args) -> None:
         methods = list(dict.fromkeys(m for m, _ in cells if m != "full"))
         for ratio in sorted({r for _, r in cells if r > 0}):
             for a, b in [(x, y) for i, x in enumerate(methods) for y in methods[i + 1 :]]:
-                pa = [next((c["ok"] for c in r["cells"] if c["method"] == a and c["ratio"] == ratio), None) for r in rows]
-                pb = [next((c["ok"] for c in r["cells"] if c["method"] == b and c["ratio"] == ratio), None) for r in rows]
+                pa = [
+                    next((c["ok"] for c in r["cells"] if c["method"] == a and c["ratio"] == ratio), None) for r in rows
+                ]
+                pb = [
+                    next((c["ok"] for c in r["cells"] if c["method"] == b and c["ratio"] == ratio), None) for r in rows
+                ]
                 pairs = [(x, y) for x, y in zip(pa, pb, strict=True) if x is not None and y is not None]
                 if not pairs:
                     continue
