@@ -12,7 +12,8 @@ in Python-documentation prose, seeds >= 2000 here, never an evaluation context),
 2. each selector compresses the context in one-shot prefill and answers greedily on that cache (the harness's
    protocol, :func:`core_kv.pipeline.answer_questions`' two steps): ``teacher`` (Top-B of p*, :class:`TargetPress`),
    ``utility`` (Top-B of π_U, the λ = 0 teacher), ``no_<feature>`` (the artifact's indexer with that standardised
-   feature at its training mean, 0, in every compressed layer), and any press (``core``: the artifact with no options; ``bare``:
+   feature at its training mean, 0, in every compressed layer), each alone or ``+repair`` (wrapped in TwinKV's repair
+   pass as the ``core`` press wraps its scorer), and any press (``core``: the artifact with no options; ``bare``:
    its scorer alone, ``core_scorer``; ``twinkv``, ``keydiff``, ``valuediff``); the retained positions of each layer
    are read off the cache (:func:`research.retention_audit.kept_positions`) and the answer's value tokens located in
    the context (``answer kept``: the share of them kept, per compressed layer);
@@ -53,8 +54,12 @@ SELECTORS = ("teacher", "utility")  # built here from the teacher's targets; eve
 ABLATED = "no_"  # no_<feature>: the artifact's indexer with that standardised feature at its training mean (0)
 
 
+REPAIRED = "+repair"  # <selector>+repair: the selector wrapped in TwinKV's repair pass as the `core` press wraps it
+
+
 def is_selector(method: str) -> bool:
-    return method in SELECTORS or method.startswith(ABLATED)
+    base = method.removesuffix(REPAIRED)
+    return base in SELECTORS or base.startswith(ABLATED)
 
 
 @dataclass
@@ -98,6 +103,7 @@ def analyse_prompt(
     from core_kv.distill.replay import ReplaySpec, capture, replay_layer
     from core_kv.models.attention import window_layers
     from core_kv.pipeline import encode, greedy_answer, prefill
+    from core_kv.presses.twin_repair import TwinRepairPress
     from research.retention_audit import context_ids_and_spans, kept_positions
 
     enc = encode(tok, prompt.context, [prompt.question], [prompt.prefix])
@@ -120,7 +126,7 @@ def analyse_prompt(
     geometry = core.geometry()
     windows = window_layers(model)
     layers = [i for i in range(len(acts)) if i not in windows]
-    targets = {m: {} for m in [*SELECTORS, *(m for m in methods if m.startswith(ABLATED))]}
+    targets = {m: {} for m in [*SELECTORS, *(m.removesuffix(REPAIRED) for m in methods if m.startswith(ABLATED))]}
     names = list(core.config.feature_spec["names"])
     feat_rows = {}
     with torch.no_grad():
@@ -193,6 +199,7 @@ def analyse_prompt(
         model.model(input_ids=enc.context_ids, past_key_values=full)
         full_keys = [lay.keys for lay in full.layers]
     sinks, recent = spec.protected_sinks, spec.protected_recent
+    repair_threshold = core.policy().for_ratio(None).repair_threshold
     cells = [("full", 0.0)] * (not skip_full) + [(m, r) for m in methods for r in ratios]
     for method, ratio in cells:
         t1 = time.perf_counter()
@@ -200,7 +207,10 @@ def analyse_prompt(
             press = None
         elif is_selector(method):
             press = TargetPress(compression_ratio=ratio, protected_sinks=sinks, protected_recent=recent,
-                                targets=targets[method])  # fmt: skip
+                                targets=targets[method.removesuffix(REPAIRED)])  # fmt: skip
+            if method.endswith(REPAIRED):  # as core_kv.presses.core.compose wraps the scorer
+                press = TwinRepairPress(press=press, protected_sinks=sinks, protected_recent=recent,
+                                        threshold=repair_threshold)  # fmt: skip
         else:
             press = make_press(method, ratio, press_options)
         with torch.inference_mode():
@@ -228,7 +238,9 @@ def run(args) -> None:
     model, tok = load_model(args.model, dtype="float32")
     core = CoreModel.from_pretrained(args.artifact, base_model=model).eval()
     names = core.config.feature_spec["names"]
-    bad = [m for m in args.methods if m.startswith(ABLATED) and m.removeprefix(ABLATED) not in names]
+    bad = [
+        m for m in args.methods if m.startswith(ABLATED) and m.removeprefix(ABLATED).removesuffix(REPAIRED) not in names
+    ]
     if bad:
         raise SystemExit(f"--methods {' '.join(bad)}: not a feature of {args.artifact} ({', '.join(names)})")
     options = parse_press_options(args.press_option)
