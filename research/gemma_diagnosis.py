@@ -271,7 +271,8 @@ def run(args) -> None:
 
 
 def mean(xs) -> float:
-    xs = list(xs)
+    """The mean of the values that are not ``None`` (NaN when none)."""
+    xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else float("nan")
 
 
@@ -293,7 +294,7 @@ def table(args) -> None:
     rows = [r for r in rows if not args.tasks or r["task"] in args.tasks]
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     groups = layer_groups(args.layers, rows[0]["layers"])
-    counts = ", ".join(f"{t} x{sum(r['task'] == t for r in rows)}" for t in tasks)
+    counts = ", ".join(f"{t} x{len({r['index'] for r in rows if r['task'] == t})}" for t in tasks)
     seeds = sorted({r["seed"] for r in rows})
     print(f"prompts: {counts} (core_kv.eval.validation, seed {seeds}, {rows[0]['model']}, {rows[0]['artifact']})\n")
     ratios = list(rows[0]["features"][str(rows[0]["layers"][0])]["kept"])
@@ -316,7 +317,8 @@ def table(args) -> None:
     for m in [p for p in presses if not is_selector(p)]:
 
         def kept(row, l, r, m=m):
-            return next(c["answer_kept"][str(l)] for c in row["cells"] if c["method"] == m and c["ratio"] == float(r))
+            cells = (c for c in row["cells"] if c["method"] == m and c["ratio"] == float(r))
+            return next((c["answer_kept"][str(l)] for c in cells), None)  # None: not run on this prompt
 
         vals = [v for r in ratios for v in per_group(lambda row, l, r=r: kept(row, l, r))]
         print(f"| {m} (press) | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
