@@ -30,6 +30,7 @@ import math
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -207,10 +208,8 @@ def measure(
                            "aux_bytes": press.aux_bytes() if press else 0}  # fmt: skip
         for k in range(decode_passes if r else 1):
             for m in rotated(r + k):
-                t_dec = cpu_seconds(
-                    lambda: greedy_answer(model, caches[m], context.shape[1], question, DECODE_STEPS,  # noqa: B023
-                                          methods[m], eos_token_ids=[])  # fmt: skip
-                )
+                answer = partial(greedy_answer, model, caches[m], context.shape[1], question, DECODE_STEPS)
+                t_dec = cpu_seconds(partial(answer, methods[m], eos_token_ids=[]))
                 if r:
                     times[m]["decode"].append(t_dec / tokens)
         caches = None  # freed before the next round's prefills

@@ -162,9 +162,7 @@ def write_fused(
             radius[h] = torch.maximum(radius[h], dist.amax())
     mb = mb.to(dtype or base.dtype)
     d = mb.shape[-1] - 1
-    return replace(
-        state, M=mb[..., :d], b=mb[..., d], Z=z, s_v=s_v, radius=radius, events=state.events + 1, Mb=mb
-    )
+    return replace(state, M=mb[..., :d], b=mb[..., d], Z=z, s_v=s_v, radius=radius, events=state.events + 1, Mb=mb)
 
 
 def read(state: MemoryState, w_phi: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,15 @@ from torch import nn
 
 from core_kv.config import parse_layers
 from core_kv.memory import (
-    WRITE_RULES, GateTerms, LatentMemory, MemoryState, compensate_fused, gate_terms, write_fused, write_weights,
-)  # fmt: skip
+    WRITE_RULES,
+    GateTerms,
+    LatentMemory,
+    MemoryState,
+    compensate_fused,
+    gate_terms,
+    write_fused,
+    write_weights,
+)
 from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer
 from core_kv.presses.base import BasePress, WrapperPress
