@@ -4,8 +4,8 @@ Measured side by side in one process: no compression, SnapKV and CORE, at 1k–8
 compression ratio (default 75%, the paper's Table 19 setting), for one-shot prefill and chunked prefill (512), plus
 the per-token decode time on the compressed cache (32 greedy steps; CORE pays the memory readout on every step).
 Every method ends with the same KV payload (chunked SnapKV runs with the equivalent absolute budget).
-Time is the median CPU time over ``--repeats`` rounds with the method order rotating (three decode passes per round
-and method), after an untimed priming round on a short context (one thread; CPU time rather than wall time because
+Time is the median CPU time over ``--repeats`` rounds with the method order rotating (five decode passes per round
+and method, interleaved across the methods), after an untimed priming round on a short context (one thread; CPU time rather than wall time because
 the host is shared). Reported as ratios to no compression and to SnapKV, next to each method's KV payload and
 auxiliary bytes.
 
@@ -30,6 +30,7 @@ import math
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -165,17 +166,18 @@ def measure(
     repeats: int,
     prime: int = 256,
     context: torch.Tensor | None = None,
-    decode_passes: int = 3,
+    decode_passes: int = 5,
 ) -> dict:
     """Median CPU seconds of prefill and of one decode step per method, plus bytes, at context ``n`` (seeded random
     tokens; ``context`` (1, N) gives the token ids instead).
 
     A first round on ``prime`` tokens (allocations, first-call overheads) is not timed; then ``repeats`` rounds with
-    the method order rotating: each method's prefill, then ``decode_passes`` decode passes on its cache (an 8-token
-    question and ``DECODE_STEPS`` greedy tokens, the cache trimmed back after each): more samples of the cheap, noisy
-    decode times, one cache held at a time. The KV
-    payload and the auxiliary state (``press.aux_bytes()``: what the press holds beside the kept KV as decoding
-    starts, the number eval reports and ``answer_questions`` give) are read right after each prefill."""
+    the method order rotating: every method's prefill, then ``decode_passes`` decode passes (an 8-token question and
+    ``DECODE_STEPS`` greedy tokens, the cache trimmed back after each) interleaved across the methods, the order
+    rotating from pass to pass, so a change of the host's load between passes hits every method alike (the round
+    holds every method's cache). The KV payload and the auxiliary state (``press.aux_bytes()``: what the press holds
+    beside the kept KV as decoding starts, the number eval reports and ``answer_questions`` give) are read right after
+    each prefill."""
     from core_kv.models.cache import kv_bytes
     from core_kv.pipeline import greedy_answer, prefill
 
@@ -188,26 +190,29 @@ def measure(
     names = list(methods)
     times = {m: {"prefill": [], "decode": []} for m in names}
     info = {}
+
+    def rotated(k: int) -> list[str]:
+        return names[k % len(names) :] + names[: k % len(names)]
+
     for r in range(repeats + 1):  # round 0 primes on a short context and is dropped
-        order = names[r % len(names) :] + names[: r % len(names)]
         context = ctx if r else ctx[:, : min(prime, n)]
-        for m in order:
+        caches = {}
+        for m in rotated(r):
             press, box = methods[m], {}
             t_pre = cpu_seconds(lambda: box.setdefault("cache", prefill(model, context, press, chunk)))  # noqa: B023
-            cache = box.pop("cache")
+            caches[m] = box.pop("cache")
             if r:
-                acc = kv_bytes(cache)
+                acc = kv_bytes(caches[m])
                 times[m]["prefill"].append(t_pre)
                 info[m] = {"kv_bytes": acc["total"], "kv_payload": acc["payload"],
                            "aux_bytes": press.aux_bytes() if press else 0}  # fmt: skip
-            for _ in range(decode_passes if r else 1):
-                t_dec = cpu_seconds(
-                    lambda: greedy_answer(model, cache, context.shape[1], question, DECODE_STEPS, press,  # noqa: B023
-                                          eos_token_ids=[])  # fmt: skip
-                )
+        for k in range(decode_passes if r else 1):
+            for m in rotated(r + k):
+                answer = partial(greedy_answer, model, caches[m], context.shape[1], question, DECODE_STEPS)
+                t_dec = cpu_seconds(partial(answer, methods[m], eos_token_ids=[]))
                 if r:
                     times[m]["decode"].append(t_dec / tokens)
-            cache = None  # one method's cache at a time (freed before the next prefill)
+        caches = None  # freed before the next round's prefills
     return {m: {k: statistics.median(v) for k, v in times[m].items()} | info[m] for m in names}
 
 

@@ -7,8 +7,8 @@ compression_ratio=r)``, named by the composition its repr shows (e.g. ``shared, 
 SnapKV at the same ratio (the same budget) is the decode baseline. Every press runs on the same context in one
 process, ``--repeats`` rounds with the press order rotating after a short priming round
 (``benchmarks/core_cost.py``'s :func:`~benchmarks.core_cost.measure`: median CPU seconds of a one-shot prefill and of
-a decode token — an 8-token question then 32 greedy tokens, three passes per round and press — one
-thread). Printed per context length and band:
+a decode token — an 8-token question then 32 greedy tokens, five passes per round interleaved across the presses —
+one thread). Printed per context length and band:
 
 - prefill ÷ no compression (the time with the press over the time without it),
 - decode ms/token ÷ SnapKV's at the same budget,

@@ -54,8 +54,6 @@ class MemoryState:
     radius: torch.Tensor  # (Hkv,) running max ‖v_i − c_E‖ over written tokens
     events: int = 0
     Mb: torch.Tensor | None = None  # (Hkv, P, D + 1) = [M | b] when written by write_fused (M, b are its views)
-    all_written: bool = False  # every head has Z > 0 (write_fused sets it; the fused readout skips the mask)
-    log_z: torch.Tensor | None = None  # (Hkv,) log(Z + ε), a gate input, precomputed by write_fused
 
     @classmethod
     def empty(cls, kv_heads: int, head_dim: int, dim: int = MEMORY_DIM, device=None) -> MemoryState:
@@ -139,28 +137,32 @@ def write_fused(
     weights: torch.Tensor,
     dtype: torch.dtype | None = None,
 ) -> MemoryState:
-    """:func:`write` for inference (no gradients): ``[ΔM | Δb] = φ⁺(k)ᵀ [w v | w]`` in one matmul per layer.
+    """:func:`write` for inference (no gradients): ``[ΔM | Δb] = φ⁺(k)ᵀ [w v | w]``, one matmul per KV head.
 
+    ``keys``, ``values`` and ``weights`` hold each KV head's written entries: ``(Hkv, E, ·)`` tensors, or sequences of
+    Hkv tensors ``(E_h, ·)`` with each head's own count (the press's head-wise budgets evict different numbers per
+    head, so nothing is padded to the longest head: a padded entry would cost its ``φ⁺`` and write nothing).
     Equal to :func:`write` up to float rounding (the weights multiply ``v`` (E × D) instead of ``φ⁺`` (E × P), an
     association change). ``M`` and ``b`` of the result are views of one ``(Hkv, P, D + 1)`` buffer ``Mb`` (what
-    :func:`read_fused` multiplies), stored in ``dtype`` (default: the state's); the update is computed in fp32.
+    :func:`compensate_fused` multiplies), stored in ``dtype`` (default: the state's); the update is computed in fp32.
     ``Z``, ``s_v`` and the radius stay fp32 (they are O(D) numbers per head).
     """
-    w = weights.float()
-    v = values.float()
-    fk = positive_features(w_phi, keys)  # (Hkv, E, P)
-    delta = fk.mT @ torch.cat([w[..., None] * v, w[..., None]], -1)  # (Hkv, P, D + 1)
     base = state.Mb if state.Mb is not None else torch.cat([state.M, state.b[..., None]], -1)
-    mb = (base.float() + delta).to(dtype or base.dtype)
-    s_v = state.s_v + (w[..., None] * v).sum(1)
-    z = state.Z + w.sum(-1)
-    centre = s_v / z.clamp_min(EPS)[:, None]
-    dist = (v - centre[:, None]).norm(dim=-1).masked_fill(w <= 0, 0.0)  # (Hkv, E)
-    d = v.shape[-1]
-    return replace(
-        state, M=mb[..., :d], b=mb[..., d], Z=z, s_v=s_v, radius=torch.maximum(state.radius, dist.amax(-1)),
-        events=state.events + 1, Mb=mb, all_written=bool((z > 0).all()), log_z=(z + EPS).log(),
-    )  # fmt: skip
+    mb = base.to(torch.float32, copy=True)
+    s_v, z, radius = state.s_v.clone(), state.Z.clone(), state.radius.clone()
+    for h in range(mb.shape[0]):
+        w, v = weights[h].float()[:, None], values[h].float()  # (E_h, 1), (E_h, D)
+        fk = positive_features(w_phi[h][None], keys[h][None])[0]  # (E_h, P)
+        wv = w * v
+        mb[h] += fk.mT @ torch.cat([wv, w], -1)  # (P, D + 1)
+        s_v[h] += wv.sum(0)
+        z[h] += w.sum()
+        if v.shape[0]:
+            dist = (v - s_v[h] / z[h].clamp_min(EPS)).norm(dim=-1).masked_fill(w[:, 0] <= 0, 0.0)  # (E_h,)
+            radius[h] = torch.maximum(radius[h], dist.amax())
+    mb = mb.to(dtype or base.dtype)
+    d = mb.shape[-1] - 1
+    return replace(state, M=mb[..., :d], b=mb[..., d], Z=z, s_v=s_v, radius=radius, events=state.events + 1, Mb=mb)
 
 
 def read(state: MemoryState, w_phi: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,36 +230,52 @@ def compensate(
     return o + g[..., None] * (m - o), g
 
 
+@dataclass(frozen=True)
+class GateTerms:
+    """The part of one layer's gate logit that does not depend on the query, fixed from one write to the next
+    (:func:`gate_terms`): ``offset`` (H, 1) = ``β_h + w_0 · log(Z + ε)`` of the query head's KV head (``−∞`` where that
+    head's memory is empty: its gate stays shut), ``weights`` = ``(w_1, w_2, w_3)`` of the query's features
+    ``log bᵀφ⁺(q̃)``, ``lse_R(q)`` and the log gap ratio (:data:`GATE_FEATURES`)."""
+
+    offset: torch.Tensor
+    weights: tuple[float, float, float]
+
+
+def gate_terms(state: MemoryState, gate_w: torch.Tensor, gate_b: torch.Tensor) -> GateTerms:
+    """:class:`GateTerms` of a layer's state and gate (``gate_w`` (F_g,), ``gate_b`` (H,)), for :func:`compensate_fused`."""
+    hkv, h = state.Z.shape[0], gate_b.shape[0]
+    w0, w1, w2, w3 = gate_w.float().tolist()
+    log_z = (state.Z + EPS).log()
+    offset = (gate_b.float().view(hkv, h // hkv) + log_z[:, None] * w0).reshape(h, 1)  # query head h: KV head h // G
+    empty = (state.Z <= 0).repeat_interleave(h // hkv)[:, None]
+    return GateTerms(offset.masked_fill(empty, float("-inf")), (w1, w2, w3))
+
+
 def compensate_fused(
     state: MemoryState,
     w_phi_t: torch.Tensor,
-    gate_w: torch.Tensor,
-    gate_b: torch.Tensor,
+    gate: GateTerms,
     queries: torch.Tensor,
     o_retained: torch.Tensor,
     lse_retained: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`compensate` for inference on a state from :func:`write_fused`: numerator and ``bᵀφ⁺(q)`` from one
-    matmul with ``[M | b]``; ``w_phi_t`` is ``W_φᵀ`` (Hkv, D, P) (a transposed view is fine). Equal to :func:`compensate` up to float
-    rounding (``bᵀφ⁺`` is summed by the matmul); shapes and returns as :func:`compensate`."""
+    matmul with ``[M | b]``; ``w_phi_t`` is ``W_φᵀ`` (Hkv, D, P) (a transposed view is fine); ``gate`` the layer's
+    :func:`gate_terms` for this state (computed once per write, not per query). Equal to :func:`compensate` up to
+    float rounding (``bᵀφ⁺`` is summed by the matmul); shapes and returns as :func:`compensate`."""
     h, t, d = queries.shape
     hkv = w_phi_t.shape[0]
-    g = h // hkv
-    fq = F.softplus(queries.reshape(hkv, g * t, d).float() @ w_phi_t)  # (Hkv, G·T, P)
+    fq = F.softplus(queries.reshape(hkv, h // hkv * t, d).float() @ w_phi_t)  # (Hkv, G·T, P)
     nd = fq @ state.Mb.float()  # (Hkv, G·T, D + 1)
     den = nd[..., d:] + EPS  # (Hkv, G·T, 1)
     m = (nd[..., :d] / den).reshape(h, t, d)
     o = o_retained.float()
     diff = m - o
     # gate logit w·f + β, the features summed in place (fewer kernels than stacking f; equal up to rounding)
-    w0, w1, w2, w3 = gate_w.float().tolist()
+    w1, w2, w3 = gate.weights
     norms = torch.stack([diff, o]).norm(dim=-1).add_(EPS).log_()  # (2, H, T)
-    log_z = state.log_z if state.log_z is not None else (state.Z + EPS).log()
-    logit = (gate_b.float().view(hkv, g) + log_z[:, None] * w0).reshape(h, 1)  # query head h reads KV head h // G
-    logit = torch.add(logit, den.reshape(h, t).log(), alpha=w1).add_(lse_retained.float(), alpha=w2)
-    g_ = logit.add_(norms[0] - norms[1], alpha=w3).sigmoid_()  # (H, T)
-    if not state.all_written:
-        g_ = g_ * (state.Z > 0)[:, None].expand(hkv, g).reshape(h, 1)
+    logit = torch.add(gate.offset, den.reshape(h, t).log(), alpha=w1).add_(lse_retained.float(), alpha=w2)
+    g_ = logit.add_(norms[0] - norms[1], alpha=w3).sigmoid_()  # (H, T); exactly 0 where the offset is −∞
     return torch.addcmul(o, g_[..., None], diff), g_
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 import core_kv.presses.latent_memory
 from core_kv.features import compute_features, observation_attention
-from core_kv.memory import MemoryState, compensate, compensate_fused, write, write_fused
+from core_kv.memory import MemoryState, compensate, compensate_fused, gate_terms, write, write_fused
 from core_kv.models.attention import apply_rope
-from core_kv.models.cache import cache_kwarg
+from core_kv.models.cache import RaggedLayer, cache_kwarg
 from core_kv.pipeline import greedy_answer, prefill
 from core_kv.presses.core import CorePress
 from core_kv.presses.core_scorer import CoreScorerPress
@@ -64,7 +65,10 @@ class ReferenceMemory(LatentMemoryPress):
 
     def write(self, module, st, keys, values, kept):
         fused = core_kv.presses.latent_memory.write_fused
-        core_kv.presses.latent_memory.write_fused = lambda mem, w_phi, k, v, w, dtype=None: write(mem, w_phi, k, v, w)
+        pad = lambda heads: pad_sequence(list(heads), batch_first=True)  # noqa: E731 (zero weights write nothing)
+        core_kv.presses.latent_memory.write_fused = lambda mem, w_phi, k, v, w, dtype=None: write(
+            mem, w_phi, pad(k), pad(v), pad(w)
+        )
         try:
             super().write(module, st, keys, values, kept)
         finally:
@@ -171,13 +175,34 @@ def test_fused_write_and_readout_equal_the_trainer_functions():
     q, o, lse = torch.randn(hkv * gq, t, d, generator=g), torch.randn(hkv * gq, t, d, generator=g), torch.randn(6, t)
     gate_w, gate_b = torch.randn(4, generator=g), torch.randn(hkv * gq, generator=g)
     want = compensate(state, w_phi, gate_w, gate_b, q, o, lse)
-    got = compensate_fused(fused, w_phi.mT, gate_w, gate_b, q, o, lse)
+    got = compensate_fused(fused, w_phi.mT, gate_terms(fused, gate_w, gate_b), q, o, lse)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # an empty head keeps its gate shut, as compensate
     half = write_fused(MemoryState.empty(hkv, d, p), w_phi, k, v, w * torch.tensor([[1.0], [0.0]]))
-    _, gates = compensate_fused(half, w_phi.mT, gate_w, gate_b, q, o, lse)
+    _, gates = compensate_fused(half, w_phi.mT, gate_terms(half, gate_w, gate_b), q, o, lse)
     assert gates[gq:].eq(0).all() and gates[:gq].gt(0).all()
+
+
+def test_fused_write_takes_each_heads_own_count():
+    """Head-wise budgets evict different numbers per KV head: written from each head's own entries (no padding; one
+    head writes nothing), the state equals the trainer's write of the zero-padded event, and the empty head's gate
+    stays shut."""
+    g = torch.Generator().manual_seed(1)
+    hkv, p, d, counts = 3, 64, 8, (17, 5, 0)
+    w_phi = torch.randn(hkv, p, d, generator=g) / d**0.5
+    k, v = torch.randn(hkv, 17, d, generator=g), torch.randn(hkv, 17, d, generator=g)
+    w = torch.rand(hkv, 17, generator=g) * (torch.arange(17)[None] < torch.tensor(counts)[:, None])  # padding: 0
+    want = write(MemoryState.empty(hkv, d, p), w_phi, k, v, w)
+    got = write_fused(MemoryState.empty(hkv, d, p), w_phi, [k[h, :c] for h, c in enumerate(counts)],
+                      [v[h, :c] for h, c in enumerate(counts)], [w[h, :c] for h, c in enumerate(counts)])  # fmt: skip
+    for name in ("M", "b", "Z", "s_v", "radius"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6)
+    assert got.Z[2] == 0 and got.Mb[2].eq(0).all()
+    q, o = torch.randn(hkv * 2, 1, d, generator=g), torch.randn(hkv * 2, 1, d, generator=g)
+    gate_w, gate_b = torch.randn(4, generator=g), torch.randn(hkv * 2, generator=g)
+    out, gates = compensate_fused(got, w_phi.mT, gate_terms(got, gate_w, gate_b), q, o, torch.randn(hkv * 2, 1))
+    assert gates[4:].eq(0).all() and gates[:4].gt(0).all() and torch.equal(out[4:], o[4:])
 
 
 def test_batched_features_equal_per_head(tiny_artifact, llama):
@@ -224,6 +249,31 @@ def test_decode_steps_take_the_log_partition_from_the_attention(tiny_artifact, l
     for got, want in seen:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not any("_core_kv_lse_sink" in m.__dict__ for m in llama.modules())  # cleared on exit
+
+
+def test_ragged_layers_take_the_log_partition_from_the_attention_for_every_forward(tiny_artifact, llama):
+    """Head-wise budgets (ragged layers): the question's multi-token forward and the decode steps alike take lse_R
+    from the per-head attention kernel; it equals the recomputed one."""
+    _, path = tiny_artifact
+    press = CorePress.from_pretrained(path, compression_ratio=0.75, policy="paper", head_budgets="adaptive")
+    memory = press.memory_press
+    seen = []
+    compensate_fn = memory.compensate
+
+    def compensate_spy(layer, mem, q_pre, o_r, lse):
+        st = memory._memory[layer]
+        if isinstance(st.fwd["cache"].layers[layer], RaggedLayer):  # (a layer whose heads keep equal counts is not)
+            assert "lse" in st.fwd  # the kernel's, not recomputed
+            seen.append((q_pre.shape[1], lse, memory.retained_lse(llama.model.layers[layer].self_attn, st, q_pre)))
+        return compensate_fn(layer, mem, q_pre, o_r, lse)
+
+    memory.compensate = compensate_spy
+    cache = prefill(llama, ids(), press)
+    greedy_answer(llama, cache, ids().shape[1], ids(3, seed=2), 4, press, eos_token_ids=[])
+    lengths = [t for t, *_ in seen]
+    assert lengths.count(3) >= 1 and lengths.count(1) == 3 * lengths.count(3)  # per ragged layer: question, 3 steps
+    for _, got, want in seen:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

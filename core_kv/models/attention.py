@@ -355,32 +355,30 @@ def ragged_sdpa(
     if t != kv.new_tokens:
         raise ValueError(f"ragged attention: {t} queries for {kv.new_tokens} new cache tokens")
     scale = scaling if scaling is not None else d**-0.5
+    if t == 1:  # per KV head, its G queries as the rows of one sequence: (1, 1, G, D) over (1, 1, L_h, D)
+        q = query.reshape(hkv, 1, 1, g, d)  # query head h·G + j reads KV head h
+        outs, lses = [], []
+        for kv_head in range(hkv):
+            keys, values = layer.head(kv_head)  # (L_h, D) views
+            o, s = _attention(q[kv_head], keys[None, None], values[None, None], None, scale, return_lse, softcap)
+            outs.append(o)
+            lses.append(s)
+        out = torch.cat(outs, 2)  # (1, 1, H, D): the heads in order, the (1, T, H, D) layout
+        return (out, torch.cat(lses, 2).view(h, 1).float()) if return_lse else out
     out = query.new_empty(hkv, g, t, d)
     lse = query.new_empty(hkv, g, t, dtype=torch.float32) if return_lse else None
-    q = query.reshape(hkv, g, t, d)  # query head h·G + j reads KV head h
+    q = query.reshape(hkv, g, t, d)
     for kv_head in range(hkv):
-        keys, values = layer.head(kv_head)  # (L_h, D) views
-        if t == 1:  # the G queries as rows of one sequence: (1, 1, G, D) over (1, 1, L_h, D)
-            o, s = _attention(
-                q[kv_head].view(1, 1, g, d), keys[None, None], values[None, None], None, scale, return_lse, softcap
-            )
-        else:
-            n = keys.shape[0]
-            visible = (
-                torch.arange(n, device=query.device)[None] <= (n - t + torch.arange(t, device=query.device))[:, None]
-            )
-            mask = torch.zeros(t, n, dtype=query.dtype, device=query.device).masked_fill_(
-                ~visible, torch.finfo(query.dtype).min
-            )
-            o, s = _attention(  # the G query heads over one KV head: keys broadcast (a stride-0 view)
-                q[kv_head][None],
-                keys.expand(1, g, n, d),
-                values.expand(1, g, n, d),
-                mask[None, None],
-                scale,
-                return_lse,
-                softcap,
-            )
+        keys, values = layer.head(kv_head)
+        n = keys.shape[0]
+        visible = torch.arange(n, device=query.device)[None] <= (n - t + torch.arange(t, device=query.device))[:, None]
+        mask = torch.zeros(t, n, dtype=query.dtype, device=query.device).masked_fill_(
+            ~visible, torch.finfo(query.dtype).min
+        )
+        o, s = _attention(  # the G query heads over one KV head: keys broadcast (a stride-0 view)
+            q[kv_head][None], keys.expand(1, g, n, d), values.expand(1, g, n, d), mask[None, None], scale, return_lse,
+            softcap,
+        )  # fmt: skip
         out[kv_head] = o.view(g, t, d)
         if return_lse:
             lse[kv_head] = s.view(g, t)
@@ -422,7 +420,7 @@ def causal_mask(t: int, s: int, dtype: torch.dtype, device) -> torch.Tensor:
 def _make_wrapper(base: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if isinstance(key, RaggedKV):
-            sink = module.__dict__.get(LSE_SINK) if query.shape[2] == 1 else None
+            sink = module.__dict__.get(LSE_SINK)
             softcap = kwargs.get("softcap")
             if sink is None:
                 return ragged_sdpa(module, query, key, scaling, softcap), None
@@ -456,7 +454,8 @@ def _make_wrapper(base: str):
     return attention
 
 
-LSE_SINK = "_core_kv_lse_sink"  # attention-module attribute: a dict that receives "lse" (H, 1) of a decode step
+LSE_SINK = "_core_kv_lse_sink"  # attention-module attribute: a dict that receives "lse" (H, T): a decode step's
+# (T = 1), or any forward's on a ragged layer
 
 
 def _attention_with_lse(query, key, value, scaling):

@@ -26,7 +26,16 @@ import torch
 from torch import nn
 
 from core_kv.config import parse_layers
-from core_kv.memory import WRITE_RULES, LatentMemory, MemoryState, compensate_fused, write_fused, write_weights
+from core_kv.memory import (
+    WRITE_RULES,
+    GateTerms,
+    LatentMemory,
+    MemoryState,
+    compensate_fused,
+    gate_terms,
+    write_fused,
+    write_weights,
+)
 from core_kv.models.attention import LSE_SINK, apply_rope, attention_modules
 from core_kv.models.cache import RaggedLayer
 from core_kv.presses.base import BasePress, WrapperPress
@@ -36,12 +45,14 @@ MEMORY_DTYPES = (None, "float32", "bfloat16", "float16")
 
 @dataclass
 class MemoryLayer:
-    """Per-layer state of the memory: the state ``M, b, Z`` (``None`` before the first write), ``survive`` =
-    Π_e (1 − ε̂_e) per KV head (1 − it is the predicted evicted mass), the cache's bytes per element, and the current
-    forward (the cache, its RoPE tables and, for a decode step, the log-partition the attention returned)."""
+    """Per-layer state of the memory: the state ``M, b, Z`` (``None`` before the first write) and its gate's
+    query-independent terms (:func:`~core_kv.memory.gate_terms`, set at each write), ``survive`` = Π_e (1 − ε̂_e) per
+    KV head (1 − it is the predicted evicted mass), the cache's bytes per element, and the current forward (the cache,
+    its RoPE tables and, for a decode step, the log-partition the attention returned)."""
 
     survive: torch.Tensor
     mem: MemoryState | None = None
+    gate: GateTerms | None = None
     fwd: dict | None = None
     element_size: int = 4
 
@@ -150,8 +161,10 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
                 survive=torch.ones(module.config.num_key_value_heads, device=hs.device)
             )
         st.fwd = {"cache": cache, "position_embeddings": kwargs["position_embeddings"]}
-        # a decode step that will read the memory: let the attention return its log-partition (no q·K recompute)
-        if st.mem is not None and hs.shape[1] == 1 and self.sink_log_partition:
+        # a forward that will read the memory: let the attention return its log-partition (no q·K recompute) — a
+        # decode step, or any forward on a ragged layer (its per-head kernel returns it for T queries too)
+        ragged = idx < len(cache.layers) and isinstance(cache.layers[idx], RaggedLayer)
+        if st.mem is not None and (hs.shape[1] == 1 or ragged) and self.sink_log_partition:
             module.__dict__[LSE_SINK] = st.fwd
         else:
             module.__dict__.pop(LSE_SINK, None)
@@ -189,20 +202,19 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
             keep[h, heads[h]] = True
         evicted = ~keep & (torch.arange(n, device=v.device)[None] < ev.lengths[:, None])
         st.survive = st.survive * (1 - (ev.p * evicted).sum(-1))
-        n_ev_head = evicted.sum(-1)  # (Hkv,)
-        n_ev = int(n_ev_head.max())
-        if n_ev == 0:
+        if not bool(evicted.any()):
             return
-        # each head's evicted indices in position order, right-padded (weight 0) to the longest head's
-        order = (torch.arange(n, device=v.device) + n * (~evicted).long()).argsort(-1)
-        ev_idx = order[:, :n_ev]
-        pad = torch.arange(n_ev, device=v.device)[None] < n_ev_head[:, None]  # (Hkv, E)
-        gather = ev_idx[..., None].expand(-1, -1, v.shape[-1])
-        wts = self.write_weights(module.layer_idx, ev.p, evicted).gather(1, ev_idx) * pad  # padding writes nothing
+        # each head's evicted indices in position order, at its own count (head-wise budgets: counts differ)
+        ev_idx = [evicted[h].nonzero().squeeze(1) for h in range(hkv)]
+        wts = self.write_weights(module.layer_idx, ev.p, evicted)
         mem = st.mem if st.mem is not None else self.memory.empty_state(device=v.device)
         dtype = self._memory_dtype(keys.dtype.itemsize)
         w_phi = self.memory.w_phi[module.layer_idx].detach()
-        st.mem = write_fused(mem, w_phi, ev.k_pre.gather(1, gather), v.float().gather(1, gather), wts, dtype=dtype)
+        st.mem = write_fused(mem, w_phi, [ev.k_pre[h, i] for h, i in enumerate(ev_idx)],
+                             [v[h, i] for h, i in enumerate(ev_idx)], [wts[h, i] for h, i in enumerate(ev_idx)],
+                             dtype=dtype)  # fmt: skip
+        m = self.memory
+        st.gate = gate_terms(st.mem, m.gate_w[module.layer_idx].detach(), m.gate_b[module.layer_idx].detach())
 
     def write_weights(self, layer: int, p: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
         """Write weight of every candidate (Hkv, N) (:func:`core_kv.memory.write_weights` with the rule)."""
@@ -222,7 +234,7 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
         q_pre = self.queries(module)  # (H, T, D)
         h, t, d = q_pre.shape
         o_r = attn_output[0].view(t, h, d).transpose(0, 1).float()  # (H, T, D)
-        lse = st.fwd.get("lse")  # from the attention kernel (decode steps, see before_forward), else computed here
+        lse = st.fwd.get("lse")  # from the attention kernel (see before_forward), else computed here
         if lse is None:
             lse = self.retained_lse(module, st, q_pre)
         o_hat, g = self.compensate(module.layer_idx, st.mem, q_pre, o_r, lse.float())
@@ -233,10 +245,10 @@ class LatentMemoryPress(WrapperPress, name="latent_memory"):
         """After each readout (a diagnostic subclass logs the certificate here; nothing by default)."""
 
     def compensate(self, layer: int, mem: MemoryState, q_pre, o_r, lse):
-        """``(ô, g)`` (:func:`core_kv.memory.compensate_fused`; :func:`~core_kv.memory.compensate` up to rounding)."""
-        m = self.memory
-        w_phi_t = m.w_phi[layer].detach().mT  # a transposed view: the matmul reads it in place
-        return compensate_fused(mem, w_phi_t, m.gate_w[layer], m.gate_b[layer], q_pre, o_r, lse)
+        """``(ô, g)`` (:func:`core_kv.memory.compensate_fused` with the gate terms of the layer's last write;
+        :func:`~core_kv.memory.compensate` up to rounding)."""
+        w_phi_t = self.memory.w_phi[layer].detach().mT  # a transposed view: the matmul reads it in place
+        return compensate_fused(mem, w_phi_t, self._memory[layer].gate, q_pre, o_r, lse)
 
     def retained_lse(self, module, st: MemoryLayer, q_pre: torch.Tensor) -> torch.Tensor:
         """Log-partition of each query (H, T) over the layer's cached keys, the T new ones causally; a ragged layer
