@@ -341,7 +341,7 @@ def test_train_py_on_a_hybrid_model_trains_global_layers_only(tmp_path):
     # the policy stage ran on the hybrid model and recorded a composition per band; with it (head-wise budgets
     # possibly) each global layer keeps exactly Hkv * N/4 in all, the window layers their window
     press = CorePress.from_pretrained(out / "final", compression_ratio=0.75)
-    assert press.core.config.inference_policy["bands"]
+    assert press.core.config.inference_policy["lengths"][0]["bands"]
     tokens = kv_bytes(prefill(model, ids(), press))["tokens_per_head"]
     assert tokens[0] == tokens[2] == [W - 1] * 2
     assert sum(tokens[1]) == sum(tokens[3]) == 2 * (N // 4)
