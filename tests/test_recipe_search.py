@@ -251,8 +251,12 @@ def test_the_gemma3_search_overlay_loads_and_names_its_contestants():
     base reuses gemma3.yaml's teacher data."""
     gemma = str(ROOT / "configs" / "train" / "gemma3.yaml")
     cfg = load_config(TrainConfig, [gemma, str(ROOT / "configs" / "train" / "gemma3_search.yaml")])
-    assert [label for label, _ in cfg.search.contestants()] == ["base", "teacher.lam_layers=17_32", "teacher.lam=32",
-                                                                "teacher.qa_weight=1"]
+    assert [label for label, _ in cfg.search.contestants()] == [
+        "base",
+        "teacher.lam_layers=17_32",
+        "teacher.lam=32",
+        "teacher.qa_weight=1",
+    ]
     assert cfg.teacher.lam == 8.0 and cfg.teacher.features == 2 and cfg.search.keep == 1 and cfg.search.short
     assert cfg.teacher.out_dir == load_config(TrainConfig, [gemma]).teacher.out_dir
     assert cfg.out_dir != load_config(TrainConfig, [gemma]).out_dir
