@@ -173,10 +173,14 @@ class CertifiedCorePress(CorePress, name="core_certified"):
             )
         if m is None:  # the no-op press: nothing is evicted, nothing to audit
             return
-        self.press = self.memory_press = CertifiedMemoryPress(
-            press=m.press, memory=m.memory, write_rule=m.write_rule, layers=m.layers, budget_matched=m.budget_matched,
-            memory_dtype=m.memory_dtype, certificate_delta=self.certificate_delta, write_noise=self.write_noise,
-        )  # fmt: skip
+        for options, stack in self._stacks.items():  # every length band's stack: its memory becomes the audited one
+            if isinstance(stack, LatentMemoryPress):
+                self._stacks[options] = CertifiedMemoryPress(
+                    press=stack.press, memory=stack.memory, write_rule=stack.write_rule, layers=stack.layers,
+                    budget_matched=stack.budget_matched, memory_dtype=stack.memory_dtype,
+                    certificate_delta=self.certificate_delta, write_noise=self.write_noise,
+                )  # fmt: skip
+        self._use(self.length)
 
     @property
     def certificates(self) -> list:
