@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from core_kv.config import parse_layers
+from core_kv.files import read_json
 
 POLICY_VERSION = 2
 HEAD_BUDGETS = ("uniform", "adaptive", "shared")
@@ -455,6 +457,14 @@ def candidate_grid() -> list[PolicyOptions]:
         for m in (True, False) for h, pool in heads for r in (False, True)
     ]  # fmt: skip
     return grid + [PolicyOptions(head_budgets="shared", memory=m) for m in (True, False)]
+
+
+def recorded_policy(artifact: str | Path) -> InferencePolicy | None:
+    """The inference policy an artifact's ``config.json`` records (checked field by field, errors naming the file),
+    or ``None`` where its policy stage did not run."""
+    cfg_file = Path(artifact) / "config.json"
+    record = read_json(cfg_file, "CORE config").get("inference_policy")
+    return None if record is None else InferencePolicy.from_dict(record, f"{cfg_file}: inference_policy")
 
 
 @dataclass

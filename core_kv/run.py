@@ -18,8 +18,8 @@ from core_kv.distill.report import next_steps
 from core_kv.distill.trainer import recipe
 from core_kv.distill.trainer import train as distill
 from core_kv.eval.policy_stage import policy_markdown, run_policy_stage
-from core_kv.files import atomic_write_json, atomic_write_text, read_json
-from core_kv.policy import InferencePolicy
+from core_kv.files import atomic_write_json, atomic_write_text
+from core_kv.policy import recorded_policy
 from core_kv.search import recipe_search
 
 
@@ -58,10 +58,8 @@ def choose_policy(cfg, summary: dict) -> dict:
     print(f"[policy] choosing the inference policy on validation prompts ({out / 'stages' / 'policy'})", flush=True)
     run_policy_stage(cfg.policy, artifact, model, tok, out / "stages" / "policy", progress=cfg.progress,
                      candidate=recipe(cfg.recipe).policy_candidate)  # fmt: skip
-    cfg_file = artifact / "config.json"  # what is printed and reported is what the artifact holds
-    policy = InferencePolicy.from_dict(
-        read_json(cfg_file, "CORE config").get("inference_policy"), f"{cfg_file}: inference_policy"
-    )
+    cfg_file = artifact / "config.json"
+    policy = recorded_policy(artifact)  # what is printed and reported is what the artifact holds
     summary["policy"] = policy.to_dict()
     atomic_write_json(out / "summary.json", summary)
     report = out / "report.md"

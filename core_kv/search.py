@@ -37,7 +37,7 @@ from core_kv.distill.config import overridden
 from core_kv.eval.policy_stage import CONTEST_RULE, contest
 from core_kv.files import atomic_write_json, atomic_write_text, read_json
 from core_kv.lock import folder_lock
-from core_kv.policy import InferencePolicy, check_recipe_search
+from core_kv.policy import InferencePolicy, check_recipe_search, recorded_policy
 
 TEACHER_RUNTIME = ("out_dir", "progress", "overwrite", "threads")  # teacher options that do not change its data
 
@@ -141,12 +141,12 @@ def _describe(overrides: dict) -> str:
 
 def _policy(run_cfg) -> InferencePolicy:
     """The inference policy a contestant's policy stage recorded in its artifact."""
-    cfg_file = Path(run_cfg.out_dir) / "final" / "config.json"
-    record = read_json(cfg_file, "CORE config").get("inference_policy")
-    if record is None:
-        raise ValueError(f"{cfg_file}: no inference_policy: the contestant's policy stage did not run (a base model "
-                         "without a tokenizer has no validation prompts; the search needs them)")  # fmt: skip
-    return InferencePolicy.from_dict(record, f"{cfg_file}: inference_policy")
+    policy = recorded_policy(Path(run_cfg.out_dir) / "final")
+    if policy is None:
+        raise ValueError(f"{Path(run_cfg.out_dir) / 'final' / 'config.json'}: no inference_policy: the contestant's "
+                         "policy stage did not run (a base model without a tokenizer has no validation prompts; the "
+                         "search needs them)")  # fmt: skip
+    return policy
 
 
 def _check_folder(out: Path, cfg) -> None:

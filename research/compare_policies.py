@@ -18,16 +18,15 @@ import argparse
 from pathlib import Path
 
 from core_kv.eval.policy_stage import head_to_head
-from core_kv.files import read_json
-from core_kv.policy import InferencePolicy
+from core_kv.policy import InferencePolicy, recorded_policy
 
 
 def read_policy(artifact: Path) -> InferencePolicy:
-    cfg_file = artifact / "config.json"
-    record = read_json(cfg_file, "CORE config").get("inference_policy")
-    if record is None:
-        raise SystemExit(f"{cfg_file}: no inference_policy (the policy stage did not run on this artifact)")
-    return InferencePolicy.from_dict(record, f"{cfg_file}: inference_policy")
+    policy = recorded_policy(artifact)
+    if policy is None:
+        raise SystemExit(f"{artifact / 'config.json'}: no inference_policy (the policy stage did not run on this "
+                         "artifact)")  # fmt: skip
+    return policy
 
 
 def compare(artifacts: list[Path], ratios: list[float] | None = None) -> list[dict]:
