@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 
 from benchmarks.core_cost import markdown_table
+from core_kv.files import save_figure
 
 
 def exponent(lengths: list[int], times: list[float]) -> float:
@@ -101,8 +102,7 @@ def plot(curves: list[dict], path: Path) -> None:
     ax_d.legend(fontsize=7, loc="upper left")
     fig.suptitle("CORE's online cost against context length (CPU time, one thread; dotted: issue 61's bounds)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> None:

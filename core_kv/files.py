@@ -49,6 +49,28 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     return path
 
 
+def swap_in(tmp: str | os.PathLike, final: str | os.PathLike, old: str | os.PathLike | None = None) -> Path:
+    """Replace the folder ``final`` by the fully written folder ``tmp`` (same parent): the old ``final`` is renamed
+    aside to ``old`` (default ``<final>.old``), ``tmp`` renamed into place, then the old one removed. There is no
+    moment without a complete folder: an interruption between the two renames leaves the old one at ``old``. The new
+    folder gets the modes a plain write would (:func:`plain_modes`)."""
+    tmp, final = Path(tmp), Path(final)
+    old = Path(old) if old is not None else final.with_name(final.name + ".old")
+    plain_modes(tmp)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Save a matplotlib figure as PNG at ``path``, atomically (:func:`atomic_write`): a reader never sees half a
+    plot, and a failed draw leaves the previous one."""
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png", bbox_inches="tight"))
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     def _write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:

@@ -35,7 +35,7 @@ from typing import NamedTuple
 from core_kv.config import ConfigError, to_dict
 from core_kv.distill.config import overridden
 from core_kv.eval.policy_stage import CONTEST_RULE, contest
-from core_kv.files import atomic_write_json, atomic_write_text, read_json
+from core_kv.files import atomic_write_json, atomic_write_text, read_json, swap_in
 from core_kv.lock import folder_lock
 from core_kv.policy import InferencePolicy, check_recipe_search, recorded_policy
 
@@ -169,7 +169,7 @@ def _check_folder(out: Path, cfg) -> None:
 
 
 def _write(cfg, source: Path, record: dict, summary: dict) -> dict:
-    """``<out_dir>/final`` = the winner's artifact with ``recipe_search`` added (a temporary copy renamed into place),
+    """``<out_dir>/final`` = the winner's artifact with ``recipe_search`` added (a temporary copy swapped into place: :func:`~core_kv.files.swap_in`),
     then ``summary.json``, ``report.md`` and ``config.yaml``."""
     from omegaconf import OmegaConf
 
@@ -183,9 +183,7 @@ def _write(cfg, source: Path, record: dict, summary: dict) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    swap_in(tmp, final)
     summary = {**summary, "artifact": str(final), "recipe_search": record}
     atomic_write_json(out / "summary.json", summary)
     report = source / "report.md"

@@ -14,6 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
+from core_kv.files import save_figure
+
 
 def load(specs: list[str]) -> dict:
     """``{method label: {ratio: metrics}}`` over every folder."""
@@ -72,8 +74,7 @@ def plot(rows: dict, path: Path, title: str) -> None:
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:

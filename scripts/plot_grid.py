@@ -64,7 +64,7 @@ def plot_length_curves(cells: list[dict], path: Path, title: str) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from core_kv.files import atomic_write
+    from core_kv.files import save_figure
 
     ratios = sorted({c["ratio"] for c in cells if c["ratio"] > 0})
     if not ratios:
@@ -96,7 +96,7 @@ def plot_length_curves(cells: list[dict], path: Path, title: str) -> Path:
     axes[-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(wrap(title, 40 * len(ratios) + 20), fontsize=10)
     fig.tight_layout()
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png", bbox_inches="tight"))
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> Path:

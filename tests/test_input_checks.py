@@ -752,3 +752,36 @@ def test_atomic_writes_get_the_mode_a_plain_write_gets(tmp_path, mask):
         assert folder.stat().st_mode & 0o777 == 0o777 & ~mask
     finally:
         os.umask(old)
+
+
+def test_a_folder_swapped_in_is_never_missing_and_an_interruption_keeps_the_old_one(tmp_path, monkeypatch):
+    """``swap_in`` (trainer artifacts, recipe-search winners, training states, the proxy's checkpoints): the old
+    folder is renamed aside, never deleted before the new one is in place; the new one gets plain modes."""
+    from core_kv import files as io
+
+    final, tmp = tmp_path / "final", tmp_path / ".tmp-final"
+    final.mkdir()
+    (final / "w").write_text("old")
+    tmp.mkdir(mode=0o700)
+    (tmp / "w").write_text("new")
+    os.chmod(tmp / "w", 0o600)
+    real, calls = os.replace, []
+
+    def interrupted(src, dst):  # the second rename (tmp -> final) never happens
+        calls.append((Path(src).name, Path(dst).name))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        io.swap_in(tmp, final)
+    assert calls == [("final", "final.old"), (".tmp-final", "final")]
+    assert (tmp_path / "final.old" / "w").read_text() == "old" and (tmp / "w").read_text() == "new"
+    monkeypatch.setattr(io.os, "replace", real)
+    (tmp_path / "final.old").rename(final)
+    assert io.swap_in(tmp, final, old=tmp_path / ".aside") == final
+    assert (final / "w").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    mask = io.umask()
+    assert (final / "w").stat().st_mode & 0o777 == 0o666 & ~mask and final.stat().st_mode & 0o777 == 0o777 & ~mask

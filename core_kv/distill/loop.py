@@ -9,7 +9,6 @@ kept). A finished stage's weights go to ``stages/<stage>.safetensors`` and a rer
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import time
 import warnings
@@ -22,7 +21,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from core_kv.distill.context import RunContext
-from core_kv.files import atomic_write, plain_modes, writing
+from core_kv.files import atomic_write, swap_in, writing
 from core_kv.schedules import warmup_cosine
 
 
@@ -161,10 +160,7 @@ def _save_state(tr: RunContext, root: Path, step: int) -> None:
         raise
     acc.wait_for_everyone()
     if tr.main:
-        plain_modes(tmp)  # the modes a plain write gives (safetensors' writer makes its files owner-only)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        swap_in(tmp, final, old=root / f".old-{final.name}")  # plain modes; the aside name is outside step_*
         for old in sorted(root.glob("step_*"))[: -tr.cfg.keep_last]:
             shutil.rmtree(old)
     acc.wait_for_everyone()

@@ -56,7 +56,7 @@ from core_kv.distill.replay import ReplaySpec
 from core_kv.distill.report import distill_report_markdown, format_summary
 from core_kv.distill.stages import calibrate, train_indexer, train_memory
 from core_kv.distill.timing import timing
-from core_kv.files import atomic_write_json, atomic_write_text, plain_modes, read_json, writing
+from core_kv.files import atomic_write_json, atomic_write_text, read_json, swap_in, writing
 from core_kv.geometry import Geometry
 from core_kv.lock import main_process_lock
 from core_kv.models.loading import check_lengths, check_vocabulary, load_from_spec
@@ -275,14 +275,11 @@ class Trainer(RunContext):
             try:
                 with writing(tmp, "CORE artifact"):
                     self.core.to("cpu").save_pretrained(str(tmp), save_function=acc.save)
-                plain_modes(tmp)  # the modes a plain write gives (safetensors' writer makes its files owner-only)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             self.core.to(acc.device)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            swap_in(tmp, final)  # plain modes (safetensors' writer makes its files owner-only); never without final/
             from omegaconf import OmegaConf
 
             atomic_write_text(self.out / "config.yaml", OmegaConf.to_yaml(to_dict(cfg)))

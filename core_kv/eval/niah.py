@@ -35,7 +35,7 @@ import numpy as np
 
 from core_kv import corpus
 from core_kv.eval.schema import Sample
-from core_kv.files import atomic_write
+from core_kv.files import save_figure
 
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -317,4 +317,4 @@ def plot_niah_panels(
     fig.colorbar(image, ax=fig.axes, label="score")
     if title:
         fig.suptitle(title, fontsize=10)
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    return save_figure(fig, path)

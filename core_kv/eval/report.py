@@ -236,7 +236,7 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str, not
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from core_kv.files import atomic_write
+    from core_kv.files import save_figure
 
     ref = _lookup(cells, REFERENCE, 0.0)
     methods = [m for m in _methods(cells) if m != REFERENCE]
@@ -276,8 +276,7 @@ def plot_compression_curves(cells: list[dict], path: str | Path, title: str, not
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), ncol=ncol)  # outside: curves fill the plot
     fig.tight_layout()
-    path = Path(path)
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png", bbox_inches="tight"))
+    return save_figure(fig, path)
 
 
 def benchmark_plots(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
 import sys
@@ -36,7 +35,7 @@ from tqdm import tqdm
 
 from core_kv.config import ConfigError, check_on_init, folder, load_config, non_empty, option, to_dict
 from core_kv.documents import DOC_TASKS, Generator
-from core_kv.files import atomic_write_json, plain_modes, read_jsonl
+from core_kv.files import atomic_write_json, read_jsonl, save_figure, swap_in
 from core_kv.proxy.tokenizer import build_proxy_tokenizer
 from core_kv.schedules import wsd_linear
 
@@ -503,18 +502,6 @@ def _rng_tuple(data_rng) -> tuple:
     return (version, tuple(internal), gauss)
 
 
-def swap_in(tmp: Path, final: Path) -> None:
-    """Replace the folder ``final`` by the fully written ``tmp`` (the old one survives as ``<final>.old`` until the
-    new one is in place, so an interruption leaves one complete folder)."""
-    old = final.with_name(final.name + ".old")
-    plain_modes(tmp)  # the modes a plain write gives (safetensors' writer makes its files owner-only)
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def latest_checkpoint(out: Path) -> Path | None:
     for name in ("ckpt", "ckpt.old"):
         if (out / name / "state.json").is_file():
@@ -727,7 +714,7 @@ def plot_loss(log_path: Path, png: Path) -> None:
             if r1["phase"] != r0["phase"]:
                 ax.axvline(r1["step"], color="grey", lw=0.5, ls="--")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png, dpi=110)
     plt.close(fig)
 
 
