@@ -1,7 +1,7 @@
 """Which tokens does a press keep? Per layer: the needle sentence, the prompt head, overlap with a reference press.
 
 For RULER-worded needle prompts (``core_kv.eval.needles``'s builder, noise or essay haystack, the model's
-chat template), each method compresses the context in one-shot prefill; the retained positions of every (layer,
+chat template) or the NIAH benchmark's contexts (``--haystack niah``: the San Francisco needle at ``--n`` depths), each method compresses the context in one-shot prefill; the retained positions of every (layer,
 KV head) are recovered by matching the cached keys against the full cache's keys (one-shot prefill computes every
 layer's K/V from uncompressed hidden states, so a kept entry is bit-identical to its full-cache row). Reported per
 layer, averaged over prompts and KV heads:
@@ -55,6 +55,17 @@ def context_ids_and_spans(tok, prompt: dict) -> tuple[list[int], set[int], set[i
     needle = {len(head) + i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start}
     value = {len(head) + i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < v1 and b > v0}
     return head + enc["input_ids"], needle, value
+
+
+def niah_prompts(tok, length: int, n: int) -> list[dict]:
+    """The NIAH benchmark's contexts (:func:`core_kv.eval.niah.load_niah`: the San Francisco needle in the essays) at
+    ``length`` tokens and ``n`` evenly spaced depths, as audit prompts; the ``value`` is the answer-bearing span
+    (``"sandwich and sit in Dolores Park"``: both strings the benchmark's match needs)."""
+    from core_kv.eval.niah import depth_grid, load_niah
+
+    rows = load_niah(tok, lengths=[length], depths=depth_grid(n))
+    return [{"context": r.context, "needle": r.extra["needle"], "value": "sandwich and sit in Dolores Park",
+             "question": r.question, "prefix": r.answer_prefix, "depth": r.extra["depth"]} for r in rows]  # fmt: skip
 
 
 def kept_positions(cache, full_keys: list[torch.Tensor]) -> list[list[set[int]]]:
@@ -133,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reference", default="keydiff", help="press the overlap is measured against")
     ap.add_argument("--ratio", type=float, default=0.75)
     ap.add_argument("--press-option", action="append", default=[], help="method.option=value (JSON values)")
-    ap.add_argument("--haystack", default="noise", choices=["noise", "essay"])
+    ap.add_argument("--haystack", default="noise", choices=["noise", "essay", "niah"],
+                    help="niah: the NIAH benchmark's contexts (San Francisco needle, essays) at --n depths")  # fmt: skip
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--seed", type=int, default=7)
@@ -160,7 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32")
     options = parse_press_options(args.press_option)
-    prompts = build_prompts(tok, "ruler", args.haystack, args.length, args.n, args.seed)
+    if args.haystack == "niah":
+        prompts = niah_prompts(tok, args.length, args.n)
+    else:
+        prompts = build_prompts(tok, "ruler", args.haystack, args.length, args.n, args.seed)
     methods = list(dict.fromkeys([*args.methods, args.reference]))
     stats: dict[str, list[dict]] = {m: [] for m in methods}
     for p in prompts:
@@ -223,10 +238,20 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{mean['overlap'][l]:.2f} | {mean['qmass'][l]:.2f} | {mean['relerr'][l]:.3f} | {mean['kept'][l]:.0f} |")  # fmt: skip
         print(f"| {m} | mean | " + " | ".join(f"{sum(mean[k]) / len(mean[k]):.2f}" for k in
                                              ("needle", "value", "whole", "head", "overlap", "qmass", "relerr")) + f" | {sum(mean['kept']) / len(mean['kept']):.0f} |")  # fmt: skip
+    per_prompt = {m: [{k: sum(r[k] for r in rows) / len(rows) for k in ("needle", "value", "whole", "qmass")}
+                      for rows in stats[m]] for m in methods}  # fmt: skip
+    if "depth" in prompts[0]:  # NIAH: where the needle sits decides what is kept
+        print("\n| method | " + " | ".join(f"depth {p['depth']}%" for p in prompts) + " |")
+        print("|---|" + "---|" * len(prompts))
+        for m in methods:
+            print(f"| {m} (value kept, mean over layers) | " + " | ".join(f"{r['value']:.2f}" for r in per_prompt[m])
+                  + " |")  # fmt: skip
     if args.json:
         from core_kv.files import atomic_write_json
 
-        atomic_write_json(Path(args.json), {"args": vars(args), "per_layer": summary})
+        depths = [p.get("depth") for p in prompts]
+        atomic_write_json(Path(args.json), {"args": vars(args), "per_layer": summary, "depths": depths,
+                                            "per_prompt": per_prompt})  # fmt: skip
     return summary
 
 
