@@ -29,7 +29,7 @@ def train(cfg) -> dict:
     inside the run folder's lock, as the distillation does: a second run into the folder is refused until it ends.
     With ``search.variants`` set, the recipe search runs such runs (its contestants) and its winner is the artifact."""
     summary = recipe_search(cfg, train_one) if cfg.search.enabled else train_one(cfg)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if int(os.environ.get("RANK", "0")) != 0 or cfg.search.only:  # search.only: no artifact yet
         return summary
     spec = cfg.teacher.model
     model = "<the base model (random_init: build it as teacher.model describes)>" if spec.random_init else spec.path

@@ -19,7 +19,8 @@ atomically, with its inference policy), its ``config.json`` recording the search
 :func:`~core_kv.policy.check_recipe_search`); ``summary.json`` and ``report.md`` are the winner's with the search
 added. Teacher data is shared by contestants of equal teacher options: the base's ``teacher.out_dir``, or
 ``<teacher.out_dir>-<label>`` for a contestant whose overrides change them. A relaunch resumes: finished contestants
-are not retrained (their policy stages reread their cached scores).
+are not retrained (their policy stages reread their cached scores). ``search.only`` trains the named round-1
+contestants and stops, so that several processes can train round 1 side by side before the search decides it.
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ def recipe_search(cfg, train_one: Callable[[object], dict]) -> dict:
     ``report.md``; return the summary."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("search.variants: the recipe search runs in one process (each contestant is a run of its "
-                          "own): launch it without --num_processes, or train the contestants as separate runs")  # fmt: skip
+                          "own): launch it without --num_processes, or one process per contestant with "
+                          "search.only=[LABEL] to train round 1 side by side")  # fmt: skip
     s, out = cfg.search, Path(cfg.out_dir)
+    if s.only:
+        return _train_only(cfg, train_one)
     labels = [label for label, _ in s.contestants()]
     plan = rounds(cfg)
     _check_folder(out, cfg)
@@ -133,6 +137,22 @@ def recipe_search(cfg, train_one: Callable[[object], dict]) -> dict:
         source = Path(runs[plan[-1].name, winner].out_dir)
         print(f"[search] winner: {winner} ({source}) -> {out / 'final'}", flush=True)
         return _write(cfg, source, record, summaries[winner])
+
+
+def _train_only(cfg, train_one: Callable[[object], dict]) -> dict:
+    """``search.only``: train those round-1 contestants (each its run and policy stage, in its own folder, under its
+    own lock) and stop; no contest, nothing written to ``<out_dir>`` itself."""
+    runs, _ = contestants(cfg)
+    first = rounds(cfg)[0]
+    done = {}
+    for i, label in enumerate(cfg.search.only):
+        run_cfg = runs[first.name, label]
+        print(f"[search] search.only: round 1 ({first.name}) contestant {label} ({i + 1} of {len(cfg.search.only)}): "
+              f"{run_cfg.out_dir}", flush=True)  # fmt: skip
+        done[label] = train_one(run_cfg)
+    print(f"[search] search.only: {', '.join(done)} trained; launch the search without search.only to decide it "
+          "(finished contestants are not retrained)", flush=True)  # fmt: skip
+    return {"recipe_search": None, "trained": {label: runs[first.name, label].out_dir for label in done}}
 
 
 def _describe(overrides: dict) -> str:

@@ -260,3 +260,34 @@ def test_the_gemma3_search_overlay_loads_and_names_its_contestants():
     assert cfg.teacher.lam == 8.0 and cfg.teacher.features == 2 and cfg.search.keep == 1 and cfg.search.short
     assert cfg.teacher.out_dir == load_config(TrainConfig, [gemma]).teacher.out_dir
     assert cfg.out_dir != load_config(TrainConfig, [gemma]).out_dir
+
+
+def test_search_only_trains_the_named_contestants_and_the_search_then_retrains_none(tmp_path, monkeypatch):
+    """``search.only``: one process per contestant trains round 1 side by side (each under its own folder's lock, not
+    the search's), writes no artifact and decides nothing; the search launched afterwards retrains none of them. An
+    unknown label, or ``only`` without a search, is refused at load by name."""
+    from core_kv import run as run_module
+    from core_kv.distill.trainer import Trainer
+
+    out, teacher = tmp_path / "run", tmp_path / "teacher"
+    trained = []
+    original = Trainer.run_stages
+    monkeypatch.setattr(Trainer, "run_stages", lambda self, t0: trained.append(self.cfg.out_dir) or original(self, t0))
+    monkeypatch.setattr(run_module, "choose_policy", _record_scores({"base": 0.5, "teacher.lam=3": 0.25,
+                                                                     "base-full": 0.5}))  # fmt: skip
+    only = run(tiny_args(out, teacher, *SEARCH, "search.only=[teacher.lam=3]"))
+    root = out / "search"
+    assert trained == [str(root / "teacher.lam=3")]
+    assert only["trained"] == {"teacher.lam=3": str(root / "teacher.lam=3")}
+    assert (root / "teacher.lam=3" / "final" / "config.json").is_file()
+    assert not (out / "final").exists() and not (out / "summary.json").exists() and not (root / "base").exists()
+    trained.clear()
+    summary = run(tiny_args(out, teacher, *SEARCH))
+    assert trained == [str(root / "base"), str(root / "base-full")]  # the variant's round 1 was not retrained
+    assert summary["recipe_search"]["winner"] == "base"
+    assert summary["recipe_search"]["rounds"][0]["scores"]["teacher.lam=3"]["accuracy"] == 0.25
+    with pytest.raises(ConfigError, match=r"search\.only: 'lam=3' is no contestant of this search \(its contestants: "
+                       r"base, teacher\.lam=3\)"):  # fmt: skip
+        load_config(TrainConfig, [*SEARCH, "search.only=[lam=3]"])
+    with pytest.raises(ConfigError, match=r"search\.only names contestants of a recipe search: set search\.variants"):
+        load_config(TrainConfig, ["search.only=[base]"])

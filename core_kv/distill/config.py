@@ -154,12 +154,17 @@ class SearchConfig:
         keep: Contestants of round 1 that go on to the full schedule (1: the winner only).
         ratios: Validation ratios the contest is decided on (each among ``policy.ratios``): the chosen composition's
             accuracy averaged over them (and the validation lengths), then its answer log-prob.
+        only: Labels of round-1 contestants to train in this process, then stop (empty: the whole search). One
+            process per label trains round 1 side by side (other cores or GPUs); the search launched without
+            ``only`` then finds them finished and decides. Contestants of equal teacher options share one teacher
+            dataset, which one process writes at a time (the other is refused, naming the writer).
     """
 
     variants: list[dict] = option(factory=list)
     short: dict = option(factory=dict)
     keep: int = option(1, ge=1)
     ratios: list[float] = option(factory=lambda: [0.75, 0.9], gt=0, lt=1, check=non_empty)
+    only: list[str] = option(factory=list)
 
     @property
     def enabled(self) -> bool:
@@ -323,6 +328,8 @@ class TrainConfig:
             )
         if self.search.enabled:
             self.check_search(prefix)
+        elif self.search.only:
+            raise ConfigError(f"{prefix}search.only names contestants of a recipe search: set {prefix}search.variants")
 
     def check_search(self, prefix: str = "") -> None:
         """Every contestant is a valid config (its overrides, then ``short`` on top), the labels differ, and the
@@ -347,3 +354,8 @@ class TrainConfig:
             if label in labels:
                 raise ConfigError(f"{where} repeats {at}variants[{labels.get(label)}] ({label}): each contestant once")
             labels[label] = i
+        known = [label for label, _ in s.contestants()]
+        unknown = [label for label in s.only if label not in known]
+        if unknown:
+            raise ConfigError(f"{at}only: {', '.join(map(repr, unknown))} is no contestant of this search (its "
+                              f"contestants: {', '.join(known)})")  # fmt: skip
