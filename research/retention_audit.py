@@ -17,6 +17,7 @@ layer, averaged over prompts and KV heads:
   context (mean over those queries and the query heads of each KV head) — the question-aware utility ``U_B`` of the
   kept set, which a question-agnostic cache must anticipate (``--answer-rows``: from the answer's own tokens, the
   queries that copy the value, which the teacher's question/answer tail also counts);
+- ``q1``..``q4`` (printed after the table): the share of each quarter of the context kept (where a method keeps);
 - ``output error``: for those same queries, ``||o* - o_R|| / ||o*||`` of each query head's attention output (before
   ``W_O``, this layer's inputs held at the full cache's) with only the kept context entries vs the full cache.
 
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                     model.model(input_ids=x, past_key_values=cache)
                 kept[m] = kept_positions(cache, full_keys)
         head = set(range(min(args.head_tokens, len(ids))))
+        quarters = [set(range(len(ids) * i // 4, len(ids) * (i + 1) // 4)) for i in range(4)]
         for m in methods:
             rows = []
             for layer, heads in enumerate(kept[m]):
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "head": sum(len(s & head) for s in heads) / (len(heads) * len(head)),
                     "overlap": sum(len(s & r) / max(1, len(s)) for s, r in zip(heads, ref, strict=True)) / len(heads),
                     "kept": sum(len(s) for s in heads) / len(heads),
+                    **{f"q{i + 1}": sum(len(s & quarter) for s in heads) / (len(heads) * max(1, len(quarter)))
+                       for i, quarter in enumerate(quarters)},  # fmt: skip
                     "qmass": sum(float(qatt[layer]["mass"][h, sorted(s)].sum() / qatt[layer]["mass"][h].sum())
                                  for h, s in enumerate(heads)) / len(heads),
                     "relerr": retention_error(qatt[layer], heads, len(ids)),
@@ -240,6 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
                                              ("needle", "value", "whole", "head", "overlap", "qmass", "relerr")) + f" | {sum(mean['kept']) / len(mean['kept']):.0f} |")  # fmt: skip
     per_prompt = {m: [{k: sum(r[k] for r in rows) / len(rows) for k in ("needle", "value", "whole", "qmass")}
                       for rows in stats[m]] for m in methods}  # fmt: skip
+    print("\n| method | share kept of the context's 1st quarter | 2nd | 3rd | 4th |\n|---|---|---|---|---|")
+    for m in methods:  # where in the context a method keeps (all layers and prompts)
+        shares = [sum(r[f"q{i}"] for rows in stats[m] for r in rows) / sum(len(rows) for rows in stats[m])
+                  for i in range(1, 5)]  # fmt: skip
+        print(f"| {m} | " + " | ".join(f"{x:.2f}" for x in shares) + " |")
     if "depth" in prompts[0]:  # NIAH: where the needle sits decides what is kept
         print("\n| method | " + " | ".join(f"depth {p['depth']}%" for p in prompts) + " |")
         print("|---|" + "---|" * len(prompts))
