@@ -39,7 +39,8 @@ def merge(runs: list[dict]) -> list[dict]:
     for run in runs:
         m = merged.setdefault(run["model"], {"model": run["model"], "args": run["args"], "compositions": {},
                                              "results": {}})  # fmt: skip
-        m["compositions"].update(run["compositions"])
+        for label, by_length in run["compositions"].items():  # per CORE label: its composition at each length
+            m["compositions"].setdefault(label, {}).update(by_length)
         for n, per in run["results"].items():
             m["results"].setdefault(n, {}).update(per)
     return list(merged.values())
@@ -49,9 +50,10 @@ def growth(run: dict) -> list[dict]:
     """One row per CORE band of a (merged) ``cost_targets`` run: its ratios per length and the exponents."""
     results = run["results"]
     out = []
-    for label, composition in run["compositions"].items():
+    for label, by_length in run["compositions"].items():
         ratio = label.split("@")[1]
         lengths = sorted(int(n) for n, per in results.items() if label in per)
+        composition = " / ".join(dict.fromkeys(by_length[str(n)] for n in lengths))  # one name unless bands differ
         none = [results[str(n)]["none"]["prefill"] for n in lengths]
         pre = [results[str(n)][label]["prefill"] for n in lengths]
         dec = [results[str(n)][label]["decode"] for n in lengths]

@@ -58,3 +58,28 @@ def test_core_profile_wraps_every_target_and_refuses_a_missing_one(tmp_path):
             core_profile.Profiler().wrap(
                 core_profile.resolve(target[0], press), target[1], target[2], ".".join(target[:2])
             )
+
+
+def test_cost_curve_merges_runs_of_length_keyed_compositions_and_fits_the_exponent(tmp_path, capsys):
+    """``cost_targets --out`` records each CORE band's composition per length (the policy is keyed by length); two
+    runs of one model merge, and a time that grows as n² has exponent 2."""
+    import json
+
+    from benchmarks import cost_curve
+
+    def run(lengths, composition):
+        results = {str(n): {"none": {"prefill": n**2 * 1e-6, "decode": 0.01},
+                            "snapkv@0.75": {"prefill": n**2 * 1e-6, "decode": 0.01},
+                            "core@0.75": {"prefill": 1.1 * n**2 * 1e-6, "decode": 0.0102}} for n in lengths}  # fmt: skip
+        return {"model": "m", "args": {"model": None}, "results": results,
+                "compositions": {"core@0.75": {str(n): composition(n) for n in lengths}}}  # fmt: skip
+
+    paths = []
+    for i, (lengths, comp) in enumerate([((4096, 8192), lambda n: "shared, memory off"),
+                                         ((16384,), lambda n: "uniform, memory")]):  # fmt: skip
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(run(lengths, comp)))
+    cost_curve.main([str(p) for p in paths])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == ("| m | 75% | shared, memory off / uniform, memory | 4k, 8k, 16k | 1.10 / 1.10 / 1.10 | "
+                    "1.02 / 1.02 / 1.02 | 2.00 / 2.00 / 2.00 | 0.00 |")  # fmt: skip
