@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from contextlib import contextmanager, nullcontext
@@ -277,3 +278,25 @@ def eval_argv(data: Path, out: Path, *extra: str) -> list[str]:
         "cpu_threads=1",
         *extra,
     ]
+
+
+class PieceTokenizer:
+    """Offline stand-in for an HF tokenizer: a word or punctuation mark with its leading whitespace is one token."""
+
+    _PIECE = re.compile(r"\s*(?:\w+|[^\w\s])|\s+")
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+        self.pieces: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        out = []
+        for piece in self._PIECE.findall(text):
+            if piece not in self.ids:
+                self.ids[piece] = len(self.pieces)
+                self.pieces.append(piece)
+            out.append(self.ids[piece])
+        return out
+
+    def decode(self, ids) -> str:
+        return "".join(self.pieces[i] for i in ids)

