@@ -143,16 +143,17 @@ def _train_only(cfg, train_one: Callable[[object], dict]) -> dict:
     """``search.only``: train those round-1 contestants (each its run and policy stage, in its own folder, under its
     own lock) and stop; no contest, nothing written to ``<out_dir>`` itself."""
     runs, _ = contestants(cfg)
-    first = rounds(cfg)[0]
-    done = {}
-    for i, label in enumerate(cfg.search.only):
+    first, only = rounds(cfg)[0], cfg.search.only
+    trained = {}
+    for i, label in enumerate(only):
         run_cfg = runs[first.name, label]
-        print(f"[search] search.only: round 1 ({first.name}) contestant {label} ({i + 1} of {len(cfg.search.only)}): "
+        print(f"[search] search.only: round 1 ({first.name}) contestant {label} ({i + 1} of {len(only)}): "
               f"{run_cfg.out_dir}", flush=True)  # fmt: skip
-        done[label] = train_one(run_cfg)
-    print(f"[search] search.only: {', '.join(done)} trained; launch the search without search.only to decide it "
+        train_one(run_cfg)
+        trained[label] = run_cfg.out_dir
+    print(f"[search] search.only: {', '.join(trained)} trained; launch the search without search.only to decide it "
           "(finished contestants are not retrained)", flush=True)  # fmt: skip
-    return {"recipe_search": None, "trained": {label: runs[first.name, label].out_dir for label in done}}
+    return {"recipe_search": None, "trained": trained}
 
 
 def _describe(overrides: dict) -> str:

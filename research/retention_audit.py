@@ -1,8 +1,9 @@
 """Which tokens does a press keep? Per layer: the needle sentence, the prompt head, overlap with a reference press.
 
 For RULER-worded needle prompts (``core_kv.eval.needles``'s builder, noise or essay haystack, the model's
-chat template) or the NIAH benchmark's contexts (``--haystack niah``: the San Francisco needle at ``--n`` depths), each method compresses the context in one-shot prefill; the retained positions of every (layer,
-KV head) are recovered by matching the cached keys against the full cache's keys (one-shot prefill computes every
+chat template) or the NIAH benchmark's contexts (``--haystack niah``: the San Francisco needle at ``--n`` depths),
+each method compresses the context in one-shot prefill; the retained positions of every (layer, KV head) are
+recovered by matching the cached keys against the full cache's keys (one-shot prefill computes every
 layer's K/V from uncompressed hidden states, so a kept entry is bit-identical to its full-cache row). Reported per
 layer, averaged over prompts and KV heads:
 

@@ -354,7 +354,7 @@ class TrainConfig:
             if label in labels:
                 raise ConfigError(f"{where} repeats {at}variants[{labels.get(label)}] ({label}): each contestant once")
             labels[label] = i
-        known = [label for label, _ in s.contestants()]
+        known = ["base", *labels]  # the contestants' labels (SearchConfig.contestants), checked distinct above
         unknown = [label for label in s.only if label not in known]
         if unknown:
             raise ConfigError(f"{at}only: {', '.join(map(repr, unknown))} is no contestant of this search (its "
