@@ -21,7 +21,7 @@ Examples::
     make train ARGS="--config configs/train/quick.yaml"              # SmolLM2-135M, a first run (docs/train-your-model.md)
     make train ARGS="out_dir=/tmp/core-proxy"                        # the proxy recipe into another folder
     make train ARGS="--config my-model.yaml teacher.lam=4"           # your copy of quick.yaml, another λ
-    make train-gemma3 ARGS="--config configs/train/gemma3_search.yaml"   # 4 Gemma recipes, the best on validation
+    make train-gemma3                                                # Gemma-3-270M: 4 recipes, the best on validation
     accelerate launch train.py --config configs/train/llama31_8b.yaml    # 8 GPUs, DDP, bf16
     accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml train.py --config configs/train/qwen3_8b.yaml
 

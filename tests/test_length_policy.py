@@ -6,6 +6,7 @@ the prefill runs the same composition, and a context outside the validated lengt
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import warnings
 from pathlib import Path
@@ -30,7 +31,9 @@ from tests.fixtures.core_flags.make import record
 from tests.helpers import ids
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = [ROOT / "checkpoints" / n / "final" for n in ("core-smollm2", "core-gemma3-270m", "core-proxy")]
+# the shipped artifacts whose policy predates length bands (version 1) and those recorded since (version 2)
+SHIPPED_V1 = [ROOT / "checkpoints" / n / "final" for n in ("core-smollm2", "core-proxy")]
+SHIPPED_V2 = [ROOT / "checkpoints" / n / "final" for n in ("core-gemma3-270m",)]
 
 # four validated lengths, each with its own choice at 50% and 90% (edges: 0.7): 8 distinct compositions
 CHOICES = {
@@ -74,7 +77,7 @@ def test_outside_is_beyond_a_factor_two_of_the_validated_lengths():
     assert policy.length_band(None).length == 1024 and policy.band(None, 2500) == policy.lengths[1].bands[0]
 
 
-@pytest.mark.parametrize("artifact", SHIPPED, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("artifact", SHIPPED_V1, ids=lambda p: p.parent.name)
 def test_a_version_1_record_loads_as_one_length_band_and_behaves_as_before(artifact):
     """Every shipped artifact records version 1: its bands, default band, candidates and validation load unchanged
     as one length band at ``validation.context_tokens``, whose ratio bands answer every length; the v2 record of it
@@ -92,6 +95,24 @@ def test_a_version_1_record_loads_as_one_length_band_and_behaves_as_before(artif
             assert policy.for_ratio(ratio, tokens).to_dict() == want["options"]
     again = InferencePolicy.from_dict(json.loads(json.dumps(policy.to_dict())))
     assert again == policy and again.to_dict()["version"] == 2 and not again.v1
+
+
+@pytest.mark.parametrize("artifact", SHIPPED_V2, ids=lambda p: p.parent.name)
+def test_a_version_2_record_answers_every_length_and_ratio_from_its_own_bands(artifact):
+    """A shipped length-keyed record: every (tokens, ratio) gets the options of the nearest validated length's ratio
+    band, read off the JSON by hand here, and the record round-trips unchanged."""
+    rec = json.loads((artifact / "config.json").read_text())["inference_policy"]
+    assert rec["version"] == 2
+    policy = InferencePolicy.from_dict(rec)
+    lengths = sorted(lb["length"] for lb in rec["lengths"])
+    assert [lb.length for lb in policy.lengths] == lengths
+    for tokens in (1, 700, *lengths, 10**5):
+        nearest = min(lengths, key=lambda n: abs(math.log(tokens / n)))
+        bands = next(lb["bands"] for lb in rec["lengths"] if lb["length"] == nearest)
+        for ratio in (0.1, 0.5, 0.625, 0.7, 0.75, 0.9, 0.99):
+            want = next((b for b in bands if ratio <= b["upto"]), bands[-1])
+            assert policy.for_ratio(ratio, tokens).to_dict() == want["options"], (tokens, ratio)
+    assert json.loads(json.dumps(policy.to_dict())) == rec
 
 
 # ---------------------------------------------------------------------------------------------- the press, at prefill
@@ -203,7 +224,7 @@ def test_overrides_apply_at_every_length_and_paper_has_one_band(two_lengths):
 def test_a_one_length_press_is_what_it_was():
     """The shipped artifacts (one validated length): one stack, its repr names the length, its results-folder dict
     is the one of before lengths (no ``served``)."""
-    press = build_press("core", checkpoint=str(SHIPPED[2]), compression_ratio=0.75)
+    press = build_press("core", checkpoint=str(SHIPPED_V1[1]), compression_ratio=0.75)
     assert list(press.served) == [512] and len(press._stacks) == 1
     assert "policy='artifact': adaptive/output, memory off (validated at 512 tokens); " in repr(press)
     assert "served" not in press.config_dict() and "length" not in press.config_dict()
