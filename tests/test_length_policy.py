@@ -79,9 +79,9 @@ def test_outside_is_beyond_a_factor_two_of_the_validated_lengths():
 
 @pytest.mark.parametrize("artifact", SHIPPED_V1, ids=lambda p: p.parent.name)
 def test_a_version_1_record_loads_as_one_length_band_and_behaves_as_before(artifact):
-    """Every shipped artifact records version 1: its bands, default band, candidates and validation load unchanged
-    as one length band at ``validation.context_tokens``, whose ratio bands answer every length; the v2 record of it
-    round-trips."""
+    """A shipped artifact recorded before length bands (version 1): its bands, default band, candidates and validation
+    load unchanged as one length band at ``validation.context_tokens``, whose ratio bands answer every length; the v2
+    record of it round-trips."""
     v1 = json.loads((artifact / "config.json").read_text())["inference_policy"]
     assert v1["version"] == 1
     policy = InferencePolicy.from_dict(v1)
