@@ -84,9 +84,13 @@ def main(argv: list[str] | None = None) -> dict:
                                  "value": p["value"], "depth": round(p["depth"], 3), "answer": ans, "ok": ok})  # fmt: skip
                 results.append({"length": length, "method": method, "ratio": ratio, "wording": w, "haystack": h,
                                 "answered": hits, "n": len(ps)})  # fmt: skip
-            print(
-                f"[needle_wording] {method} @ {ratio:.2f}, {length} tokens: {time.time() - t0:.0f} s", file=sys.stderr
+            got = ", ".join(
+                f"{r['wording']}/{r['haystack']} {r['answered']}/{r['n']}" for r in results[-len(prompts) :]
             )
+            print(f"[needle_wording] {method} @ {ratio:.2f}, {length} tokens: {got} ({time.time() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if args.json:  # the cells so far, so a long run's finished cells are on disk before it ends
+                _write(args, results, rows, finished=False)
     print(
         f"\nmodel: {args.model} | chat template: {not args.no_chat_template} | n = {args.n} per cell | seed {args.seed}"
     )
@@ -99,7 +103,12 @@ def main(argv: list[str] | None = None) -> dict:
                    if r["length"] == length and r["method"] == method and r["ratio"] == ratio}  # fmt: skip
             cells_txt = " | ".join(f"{got[c]['answered']}/{got[c]['n']}" for c in cols)
             print(f"| {length} | {method} | {ratio:.2f} | {cells_txt} |")
-    payload = {"args": vars(args), "results": results, "answers": rows}
+    return _write(args, results, rows, finished=True)
+
+
+def _write(args, results: list[dict], rows: list[dict], finished: bool) -> dict:
+    """The payload (``finished``: False while cells remain), written atomically to ``--json`` when given."""
+    payload = {"args": vars(args), "finished": finished, "results": results, "answers": rows}
     if args.json:
         from core_kv.files import atomic_write_json
 
