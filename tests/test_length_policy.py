@@ -32,6 +32,7 @@ from tests.helpers import ids
 
 ROOT = Path(__file__).resolve().parents[1]
 # the shipped artifacts whose policy predates length bands (version 1) and those recorded since (version 2)
+PROXY = ROOT / "checkpoints" / "core-proxy" / "final"  # one validated length (512 tokens)
 SHIPPED_V1 = [ROOT / "checkpoints" / n / "final" for n in ("core-smollm2", "core-proxy")]
 SHIPPED_V2 = [ROOT / "checkpoints" / n / "final" for n in ("core-gemma3-270m",)]
 
@@ -222,9 +223,9 @@ def test_overrides_apply_at_every_length_and_paper_has_one_band(two_lengths):
 
 
 def test_a_one_length_press_is_what_it_was():
-    """The shipped artifacts (one validated length): one stack, its repr names the length, its results-folder dict
-    is the one of before lengths (no ``served``)."""
-    press = build_press("core", checkpoint=str(SHIPPED_V1[1]), compression_ratio=0.75)
+    """A shipped artifact with one validated length (the proxy's): one stack, its repr names the length, its
+    results-folder dict is the one of before lengths (no ``served``)."""
+    press = build_press("core", checkpoint=str(PROXY), compression_ratio=0.75)
     assert list(press.served) == [512] and len(press._stacks) == 1
     assert "policy='artifact': adaptive/output, memory off (validated at 512 tokens); " in repr(press)
     assert "served" not in press.config_dict() and "length" not in press.config_dict()
