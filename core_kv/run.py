@@ -17,7 +17,7 @@ import torch
 from core_kv.distill.report import next_steps
 from core_kv.distill.trainer import recipe
 from core_kv.distill.trainer import train as distill
-from core_kv.eval.policy_stage import policy_markdown, run_policy_stage
+from core_kv.eval.policy_stage import Shard, policy_markdown, run_policy_stage
 from core_kv.files import atomic_write_json, atomic_write_text
 from core_kv.policy import recorded_policy
 from core_kv.search import recipe_search
@@ -38,26 +38,37 @@ def train(cfg) -> dict:
 
 
 def train_one(cfg) -> dict:
-    """One run: the distillation, then (main process, in the run folder's lock) the policy stage."""
+    """One run: the distillation, then the policy stage (every process scores its share; the main one, in the run
+    folder's lock, records)."""
     return distill(cfg, then=(lambda s: choose_policy(cfg, s)) if cfg.policy.enabled else None)
 
 
-def choose_policy(cfg, summary: dict) -> dict:
-    """The policy stage on ``<out_dir>/final`` (skipped, with a note, for a base model without a tokenizer)."""
+def choose_policy(cfg, summary: dict, artifact: Path | None = None) -> dict:
+    """The policy stage on ``<out_dir>/final`` (skipped, with a note, for a base model without a tokenizer). Every
+    process of a launch takes its share of the prompts (:class:`~core_kv.eval.policy_stage.Shard`); the main one
+    records the policy, the report and the summary. ``artifact``: where this process reads the weights (default
+    ``<out_dir>/final``; the same weights elsewhere, e.g. before the main process has copied them there)."""
     from core_kv.models.loading import load_from_spec
 
     out = Path(cfg.out_dir)
-    artifact = out / "final"  # (summary["artifact"] is where it was trained, maybe another folder)
+    shard = Shard.from_env()
+    artifact = artifact or out / "final"  # (summary["artifact"] is where it was trained, maybe another folder)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    model, tok = load_from_spec(cfg.teacher.model, "cuda" if torch.cuda.is_available() else "cpu")
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+    model, tok = load_from_spec(cfg.teacher.model, device)
     if tok is None:  # a random-init base model without a tokenizer (tests, benchmarks): no prompts to validate on
-        print("[policy] skipped: the base model has no tokenizer (teacher.model.tokenizer); the artifact keeps no "
-              "policy (the paper's press)", flush=True)  # fmt: skip
+        if shard.rank == 0:
+            print("[policy] skipped: the base model has no tokenizer (teacher.model.tokenizer); the artifact keeps no "
+                  "policy (the paper's press)", flush=True)  # fmt: skip
         return summary
-    print(f"[policy] choosing the inference policy on validation prompts ({out / 'stages' / 'policy'})", flush=True)
+    if shard.rank == 0:
+        print(f"[policy] choosing the inference policy on validation prompts ({out / 'stages' / 'policy'})",
+              flush=True)  # fmt: skip
     run_policy_stage(cfg.policy, artifact, model, tok, out / "stages" / "policy", progress=cfg.progress,
-                     candidate=recipe(cfg.recipe).policy_candidate)  # fmt: skip
+                     candidate=recipe(cfg.recipe).policy_candidate, shard=shard)  # fmt: skip
+    if shard.rank != 0:
+        return summary
     cfg_file = artifact / "config.json"
     policy = recorded_policy(artifact)  # what is printed and reported is what the artifact holds
     summary["policy"] = policy.to_dict()

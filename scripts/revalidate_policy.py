@@ -12,7 +12,9 @@ Usage (from the repository root)::
 - the base model is the train config's ``teacher.model`` (the one the artifact was trained for: the scorer refuses
   another model at its first prefill);
 - the scores of every (length, ratio, candidate) are cached in ``OUT/stages/policy/``; ``OUT/final/config.json``
-  records the new policy and ``OUT/report.md`` its table (every candidate's scores).
+  records the new policy and ``OUT/report.md`` its table (every candidate's scores);
+- several processes share the work: ``torchrun --nproc_per_node 2 scripts/revalidate_policy.py ...`` (or
+  ``accelerate launch --num_processes 2``); each scores its part of every length, the main one records.
 
 Options other than ``policy.*``, ``threads`` and ``progress`` are the train config's and change nothing here.
 """
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> dict:
     from core_kv.config import load_config
     from core_kv.distill.config import TrainConfig
     from core_kv.distill.trainer import train_schema
+    from core_kv.eval.policy_stage import Shard
     from core_kv.lock import folder_lock
     from core_kv.run import choose_policy
 
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not (source / "config.json").is_file() or not weights.is_file():
         raise SystemExit(f"{source}: not a CORE artifact (config.json and model.safetensors expected)")
     cfg = load_config(TrainConfig, options + [f"out_dir={out}"], __doc__, resolve=train_schema)
+    if Shard.from_env().rank != 0:  # another process of a launch: its share of the scores, from the same weights
+        return choose_policy(cfg, {}, artifact=source)
     final = out / "final"
     with folder_lock(out, "policy stage"):
         if final.exists():

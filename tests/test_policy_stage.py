@@ -275,3 +275,53 @@ def test_one_loading_bar_per_model_and_none_per_candidate(artifact, capsys):
     CoreModel.from_pretrained(artifact)
     build_press("core", checkpoint=str(artifact), compression_ratio=0.5)
     assert "Loading weights" not in capsys.readouterr().err
+
+
+def test_processes_share_the_jobs_and_the_main_one_records_what_one_process_would(monkeypatch, tmp_path, artifact,
+                                                                                  llama, tok):  # fmt: skip
+    """Two shards (as ``accelerate launch --num_processes 2`` runs them; here two threads, each with its own model):
+    the second waits for the main one's key, each scores exactly its jobs (index modulo 2: the full cache and every
+    other (ratio, candidate)) at every length, only the main one records, and the recorded policy is the one a single
+    process records (its timing and process count aside)."""
+    import shutil
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = PolicyStageConfig(**{**SMALL, "lengths": [128, 160]})
+    alone, shared = tmp_path / "alone", tmp_path / "shared"
+    shutil.copytree(artifact, alone)
+    shutil.copytree(artifact, shared)
+    one = stage.run_policy_stage(cfg, alone, llama, tok, tmp_path / "work_alone", progress=False)
+    calls: dict[str, list] = {}
+    real = stage.score_prompt
+    monkeypatch.setattr(stage, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(stage, "score_prompt", lambda m, t, p, press: calls.setdefault(
+        threading.current_thread().name, []).append(press is None) or real(m, t, p, press))  # fmt: skip
+    out, errors = {}, []
+
+    def run(rank, model):
+        try:
+            out[rank] = stage.run_policy_stage(cfg, shared, model, tok, tmp_path / "work", progress=False,
+                                               shard=stage.Shard(rank, 2))  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 (re-raised below, in the test's thread)
+            errors.append(e)
+
+    other = AutoModelForCausalLM.from_pretrained(ROOT / "checkpoints" / "proxy-lm").eval()
+    threads = [threading.Thread(target=run, args=(1, other), name="rank1"),
+               threading.Thread(target=run, args=(0, llama), name="rank0")]  # fmt: skip
+    threads[0].start()  # the second process first: it must wait for the main one's key
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    assert out[1] is None
+    prompts = sum(lb.validation["prompts"] for lb in one.lengths)  # over both lengths
+    # 1 + 2 ratios x 3 candidates = 7 jobs a length: indices 0, 2, 4, 6 for the main process, 1, 3, 5 for the other
+    assert len(calls["rank0"]) == 4 * prompts and len(calls["rank1"]) == 3 * prompts
+    assert sum(calls["rank0"]) == prompts and not any(calls["rank1"])  # the full cache is job 0: the main one's
+    drop = lambda d: [{**lb, "validation": {k: v for k, v in lb["validation"].items() if k not in ("seconds",  # noqa: E731
+                      "processes")}} for lb in d["lengths"]]  # fmt: skip
+    recorded = json.loads((shared / "config.json").read_text())["inference_policy"]
+    assert drop(recorded) == drop(one.to_dict()) and drop(out[0].to_dict()) == drop(recorded)
+    assert all(lb["validation"]["processes"] == 2 for lb in recorded["lengths"])

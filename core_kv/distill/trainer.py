@@ -330,8 +330,8 @@ def train(cfg, then: Callable[[dict], dict] | None = None) -> dict:
     """Run every stage (resuming where a previous run stopped) and write ``<out_dir>/final/``.
 
     Args:
-        then: What the main process runs next on the run folder, still holding its lock (``train.py``'s policy
-            stage), with the summary; it returns the summary. The trainer (its models) is released first.
+        then: What every process runs next on the run folder, the main one still holding its lock (``train.py``'s
+            policy stage), with the summary; it returns the summary. The trainer (its models) is released first.
 
     Returns the summary dict (also ``<out_dir>/summary.json``); raises :class:`Interrupted` when ``stop_after``
     stops the run early.
@@ -349,8 +349,8 @@ def train(cfg, then: Callable[[dict], dict] | None = None) -> dict:
             summary = _train(tr, t0)
         finally:
             tr.close()
-        main, tr = tr.main, None  # the base model and CORE are freed before ``then`` loads what it needs
-        return then(summary) if then is not None and main else summary
+        tr = None  # the base model and CORE are freed before ``then`` loads what it needs
+        return then(summary) if then is not None else summary
 
 
 def check_unread(cfg, unread: tuple[str, ...]) -> None:

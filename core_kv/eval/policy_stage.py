@@ -20,17 +20,20 @@ scores, the full cache's scores on the same prompts and how the validation set w
 prompt once (its scores are every candidate's reference). Results of each (length, ratio, candidate) are kept in
 ``<run>/stages/policy/<length>/`` (atomic writes), so an interrupted stage resumes; a length's are discarded when the
 artifact's weights or the options that make its prompts change (a stage folder written before lengths existed, with
-its files directly in ``stages/policy/``, is not read).
+its files directly in ``stages/policy/``, is not read). Several processes (``accelerate launch --num_processes N
+train.py``) share the jobs of every length (:class:`Shard`): each scores its part into the same folder, and the main
+process chooses once every score is there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -173,6 +176,32 @@ def core_candidate(artifact: Path, ratio: float, options: PolicyOptions) -> Base
     return compose(CoreScorerPress(checkpoint=str(artifact), compression_ratio=ratio), options)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This process's part of the stage when several processes run it (``accelerate launch`` / ``torchrun`` set
+    ``RANK`` and ``WORLD_SIZE``): at every length it scores the jobs (the full cache, then every (ratio, candidate))
+    whose index is ``rank`` modulo ``world``, in the same cached files; the main process (rank 0) checks each length's
+    key first, then waits for the others' scores, chooses and records. One process is ``Shard()``: every job."""
+
+    rank: int = 0
+    world: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"a policy-stage shard needs 0 <= rank < world, got rank {self.rank} of {self.world}")
+
+    @classmethod
+    def from_env(cls) -> Shard:
+        """The launcher's ``RANK`` / ``WORLD_SIZE`` (one process without them)."""
+        return cls(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+
+    def mine(self, index: int) -> bool:
+        return index % self.world == self.rank
+
+
+POLL_SECONDS = 2.0  # how often a process looks for another's key or scores
+
+
 def run_policy_stage(
     cfg: PolicyStageConfig,
     artifact: str | Path,
@@ -181,13 +210,17 @@ def run_policy_stage(
     work_dir: str | Path,
     progress: bool = True,
     candidate: Callable[[Path, float, PolicyOptions], BasePress | None] | None = None,
-) -> InferencePolicy:
+    shard: Shard | None = None,
+) -> InferencePolicy | None:
     """Score every candidate at every ratio and validation length, choose, and record the policy in ``artifact``'s
     ``config.json`` (one length band per entry of ``cfg.lengths``).
 
     ``candidate(artifact, ratio, options)`` builds a candidate's press, ``None`` where it does not apply to this
-    artifact (left out; refused when ``cfg.candidates`` names it); default :func:`core_candidate`."""
+    artifact (left out; refused when ``cfg.candidates`` names it); default :func:`core_candidate`. ``shard``: this
+    process's part when several run the stage (default :meth:`Shard.from_env`); only the main process chooses,
+    records and returns the policy, the others return ``None`` once their scores are written."""
     candidate = candidate or core_candidate
+    shard = shard or Shard.from_env()
     artifact, work = Path(artifact), Path(work_dir)
     config = artifact_config(artifact)  # of any registered kind
     # before building prompts that long
@@ -200,86 +233,116 @@ def run_policy_stage(
             refused = [c.describe() for c in candidates if c not in applies]
             raise ValueError(f"policy.candidates: {refused} do not apply to {artifact}")
         candidates = applies
-    bands = [
-        validate_at(
-            cfg, i, length, per_task, artifact, model, tokenizer, work / str(length), candidates, candidate, progress
-        )  # fmt: skip
+    lengths = [
+        LengthWork(cfg, i, length, per_task, artifact, model, tokenizer, work / str(length), candidates)
         for i, (length, per_task) in enumerate(cfg.per_length())
     ]
-    policy = InferencePolicy(bands)
+    if shard.rank == 0:  # every length's stale scores go before any process scores (the others wait for the key)
+        for lw in lengths:
+            lw.claim()
+    for lw in lengths:
+        lw.score(shard, candidate, progress)
+    if shard.rank != 0:
+        return None
+    policy = InferencePolicy([lw.band(shard) for lw in lengths])
     record(artifact, policy)
     return policy
 
 
-def validate_at(
-    cfg: PolicyStageConfig,
-    index: int,
-    length: int,
-    per_task: int,
-    artifact: Path,
-    model,
-    tokenizer,
-    work: Path,
-    candidates: list[PolicyOptions],
-    candidate: Callable[[Path, float, PolicyOptions], BasePress | None],
-    progress: bool,
-) -> LengthBand:
-    """The length band of one validation length (``cfg.lengths[index]``): its prompts scored with the full cache (once
-    per prompt) and with every (ratio, candidate), each result cached in ``work`` (``<out_dir>/stages/policy/<length>``)
-    so an interrupted stage resumes; the choice at every ratio."""
-    t0 = time.perf_counter()
-    prompts = validation_set(tokenizer, cfg.tasks, length, per_task, cfg.seed)
-    check_context_window(model, max(prompt_tokens(tokenizer, p) for p in prompts),
-                         f"policy.lengths[{index}]={length}: the longest validation prompt (context, question and "
-                         "answer)")  # fmt: skip
-    key = stage_key(cfg, artifact, prompts, length, per_task)
-    key_file = work / "key.json"
-    if key_file.is_file() and json.loads(key_file.read_text()) != key:
-        for f in work.glob("*.json"):  # another artifact or other options: the cached scores do not apply
-            f.unlink()
-    work.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(key_file, key)
-    jobs = [(None, None)] + [(r, c) for r in cfg.ratios for c in candidates]
-    todo = sum(not (work / f"{_label(r, c)}.json").is_file() for r, c in jobs) * len(prompts)
-    print(f"[policy] {cost_line(len(prompts), length, len(cfg.ratios), len(candidates))}; {todo} still to run",
-          flush=True)  # fmt: skip
-    bar = tqdm(total=len(jobs) * len(prompts), desc=f"policy {length}", disable=not progress, unit="prompt")
-    scores: dict = {}
-    timed = None  # seconds of the first prompt this invocation scores: the estimate of the rest
-    for ratio, options in jobs:
-        label = _label(ratio, options)
-        cached = work / f"{label}.json"
-        if cached.is_file():
-            scores[label] = json.loads(cached.read_text())
-            bar.update(len(prompts))
-            continue
-        press = None if options is None else candidate(artifact, ratio, options)
-        rows = []
-        for p in prompts:
-            t = time.perf_counter()
-            rows.append({"task": p.task, **score_prompt(model, tokenizer, p, press)})
-            bar.update(1)
-            if timed is None:  # the first prompt this invocation scores times the rest
-                timed = time.perf_counter() - t
-                tqdm.write(f"[policy] {timed:.1f} s per prompt: about {todo * timed / 60:.1f} min for the "
-                           f"{todo} to run")  # fmt: skip
-        scores[label] = {"ratio": ratio, "options": None if options is None else options.to_dict(), **summarise(rows),
-                         "per_task": {t: summarise([r for r in rows if r["task"] == t]) for t in cfg.tasks}}  # fmt: skip
-        atomic_write_json(cached, scores[label])
-    bar.close()
-    choices, table = {}, {}
-    for r in cfg.ratios:
-        results = [(c, scores[_label(r, c)]) for c in candidates]
-        choices[r] = choose(results)
-        table[str(r)] = [{"label": c.describe(), **s} for c, s in results]
-    bands = bands_from_choices(choices)
-    default = min(range(len(bands)), key=lambda i: abs(bands[i].validated_at - 0.75))
-    return LengthBand(
-        length, bands, default, table,
-        {"generator": "core_kv.eval.validation", "tasks": list(cfg.tasks), "per_task": per_task,
-         "context_tokens": length, "seed": cfg.seed, "prompts": len(prompts), "full_cache": scores["full"],
-         "rule": RULE, "seconds": round(time.perf_counter() - t0, 1), "key": key},
-    )  # fmt: skip
+class LengthWork:
+    """One validation length (``cfg.lengths[index]``): its prompts scored with the full cache (once per prompt) and
+    with every (ratio, candidate), each result cached in ``work`` (``<out_dir>/stages/policy/<length>``) so an
+    interrupted stage resumes, and the choice at every ratio."""
+
+    def __init__(self, cfg: PolicyStageConfig, index: int, length: int, per_task: int, artifact: Path, model,
+                 tokenizer, work: Path, candidates: list[PolicyOptions]):  # fmt: skip
+        self.cfg, self.length, self.per_task, self.artifact = cfg, length, per_task, artifact
+        self.model, self.tokenizer, self.work, self.candidates = model, tokenizer, work, candidates
+        self.prompts = validation_set(tokenizer, cfg.tasks, length, per_task, cfg.seed)
+        check_context_window(model, max(prompt_tokens(tokenizer, p) for p in self.prompts),
+                             f"policy.lengths[{index}]={length}: the longest validation prompt (context, question "
+                             "and answer)")  # fmt: skip
+        self.jobs = [(None, None)] + [(r, c) for r in cfg.ratios for c in candidates]
+        self.seconds = 0.0
+
+    def key(self) -> dict:
+        return stage_key(self.cfg, self.artifact, self.prompts, self.length, self.per_task)
+
+    def claim(self) -> None:
+        """The main process: discard the cached scores when the key (weights, prompts, options) changed; write it."""
+        key, key_file = self.key(), self.work / "key.json"
+        if key_file.is_file() and json.loads(key_file.read_text()) != key:
+            for f in self.work.glob("*.json"):  # another artifact or other options: the cached scores do not apply
+                f.unlink()
+        self.work.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(key_file, key)
+
+    def _cached(self, ratio, options) -> Path:
+        return self.work / f"{_label(ratio, options)}.json"
+
+    def score(self, shard: Shard, candidate, progress: bool) -> None:
+        """Score this process's jobs that are not cached yet (another process waits until the main one has written
+        this length's key: its scores must not be discarded as stale)."""
+        t0 = time.perf_counter()
+        if shard.rank != 0:
+            key_file = self.work / "key.json"
+            while not (key_file.is_file() and json.loads(key_file.read_text()) == self.key()):
+                time.sleep(POLL_SECONDS)
+        cfg, prompts = self.cfg, self.prompts
+        mine = [job for i, job in enumerate(self.jobs) if shard.mine(i)]
+        todo = sum(not self._cached(r, c).is_file() for r, c in mine) * len(prompts)
+        share = "" if shard.world == 1 else f"; process {shard.rank} of {shard.world} runs {len(mine)} of the jobs"
+        print(f"[policy] {cost_line(len(prompts), self.length, len(cfg.ratios), len(self.candidates))}{share}; "
+              f"{todo} still to run", flush=True)  # fmt: skip
+        bar = tqdm(total=len(mine) * len(prompts), desc=f"policy {self.length}", disable=not progress, unit="prompt")
+        timed = None  # seconds of the first prompt this invocation scores: the estimate of the rest
+        for ratio, options in mine:
+            cached = self._cached(ratio, options)
+            if cached.is_file():
+                bar.update(len(prompts))
+                continue
+            press = None if options is None else candidate(self.artifact, ratio, options)
+            rows = []
+            for p in prompts:
+                t = time.perf_counter()
+                rows.append({"task": p.task, **score_prompt(self.model, self.tokenizer, p, press)})
+                bar.update(1)
+                if timed is None:
+                    timed = time.perf_counter() - t
+                    tqdm.write(f"[policy] {timed:.1f} s per prompt: about {todo * timed / 60:.1f} min for the "
+                               f"{todo} to run")  # fmt: skip
+            atomic_write_json(cached, {"ratio": ratio, "options": None if options is None else options.to_dict(),
+                                       **summarise(rows), "per_task": {t: summarise([r for r in rows if r["task"] == t])
+                                                                       for t in cfg.tasks}})  # fmt: skip
+        bar.close()
+        self.seconds += time.perf_counter() - t0
+
+    def band(self, shard: Shard) -> LengthBand:
+        """The main process: every job's scores (waiting for those other processes write), the choice at every ratio."""
+        t0 = time.perf_counter()
+        missing = [self._cached(r, c) for r, c in self.jobs if not self._cached(r, c).is_file()]
+        if missing and shard.world > 1:
+            print(f"[policy] {self.length} tokens: waiting for {len(missing)} scores the other processes run",
+                  flush=True)  # fmt: skip
+        while missing and shard.world > 1:
+            time.sleep(POLL_SECONDS)
+            missing = [f for f in missing if not f.is_file()]
+        scores = {_label(r, c): json.loads(self._cached(r, c).read_text()) for r, c in self.jobs}
+        self.seconds += time.perf_counter() - t0
+        choices, table = {}, {}
+        for r in self.cfg.ratios:
+            results = [(c, scores[_label(r, c)]) for c in self.candidates]
+            choices[r] = choose(results)
+            table[str(r)] = [{"label": c.describe(), **s} for c, s in results]
+        bands = bands_from_choices(choices)
+        default = min(range(len(bands)), key=lambda i: abs(bands[i].validated_at - 0.75))
+        return LengthBand(
+            self.length, bands, default, table,
+            {"generator": "core_kv.eval.validation", "tasks": list(self.cfg.tasks), "per_task": self.per_task,
+             "context_tokens": self.length, "seed": self.cfg.seed, "prompts": len(self.prompts),
+             "full_cache": scores["full"], "rule": RULE, "seconds": round(self.seconds, 1), "key": self.key(),
+             **({"processes": shard.world} if shard.world > 1 else {})},
+        )  # fmt: skip
 
 
 def record(artifact: Path, policy: InferencePolicy) -> None:
@@ -341,5 +404,5 @@ def _tokens(length: int | None) -> str:
 
 __all__ = [
     "CONTEST_RULE", "RULE", "choose", "chosen", "contest", "head_to_head", "policy_markdown", "record",
-    "run_policy_stage", "score_prompt", "validate_at",
+    "run_policy_stage", "score_prompt", "LengthWork", "Shard",
 ]  # fmt: skip
