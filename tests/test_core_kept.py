@@ -5,8 +5,10 @@ the scorer's decode path), so a faster press must keep exactly what the slower o
 policy at each of its bands, ``build_press("core", checkpoint=..., compression_ratio=r)`` with no other option, on
 fixed token ids), the original positions the scorer keeps after every eviction event, per KV head (``-1`` pads a
 ragged layer). The proxy cases run the spec-v1 proxy artifact (head-wise budgets); the SmolLM2 cases the shipped
-spec-v2 artifact (twin and KeyDiff features, head-shared selection at 75/90%, head-wise budgets and the memory at
-50%), one-shot and chunked. Recorded at commit 7cde7b2 with::
+spec-v2 artifact at 768 tokens (twin and KeyDiff features; its policy's 1,024-token band: head-wise budgets without
+the memory at 50%, head-wise budgets + TwinKV's repair at 75%, head-shared selection at 90%), one-shot and chunked.
+Recorded at commit 7cde7b2 (the proxy cases) and again when the SmolLM2 policy gained its 1,024- and 4,096-token
+bands (issue 56; before, 768 tokens ran the 2,048-token band), with::
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python tests/test_core_kept.py --write
 """

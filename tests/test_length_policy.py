@@ -33,8 +33,8 @@ from tests.helpers import ids
 ROOT = Path(__file__).resolve().parents[1]
 # the shipped artifacts whose policy predates length bands (version 1) and those recorded since (version 2)
 PROXY = ROOT / "checkpoints" / "core-proxy" / "final"  # one validated length (512 tokens)
-SHIPPED_V1 = [ROOT / "checkpoints" / n / "final" for n in ("core-smollm2", "core-proxy")]
-SHIPPED_V2 = [ROOT / "checkpoints" / n / "final" for n in ("core-gemma3-270m",)]
+SHIPPED_V1 = [PROXY]
+SHIPPED_V2 = [ROOT / "checkpoints" / n / "final" for n in ("core-smollm2", "core-gemma3-270m")]
 
 # four validated lengths, each with its own choice at 50% and 90% (edges: 0.7): 8 distinct compositions
 CHOICES = {
