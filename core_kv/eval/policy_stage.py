@@ -264,6 +264,7 @@ class LengthWork:
                              "and answer)")  # fmt: skip
         self.jobs = [(None, None)] + [(r, c) for r in cfg.ratios for c in candidates]
         self.seconds = 0.0
+        self.claimed: dict | None = None  # the key the main process wrote (the weights are hashed once there)
 
     def key(self) -> dict:
         return stage_key(self.cfg, self.artifact, self.prompts, self.length, self.per_task)
@@ -276,6 +277,7 @@ class LengthWork:
                 f.unlink()
         self.work.mkdir(parents=True, exist_ok=True)
         atomic_write_json(key_file, key)
+        self.claimed = key
 
     def _cached(self, ratio, options) -> Path:
         return self.work / f"{_label(ratio, options)}.json"
@@ -320,7 +322,7 @@ class LengthWork:
     def band(self, shard: Shard) -> LengthBand:
         """The main process: every job's scores (waiting for those other processes write), the choice at every ratio."""
         t0 = time.perf_counter()
-        missing = [self._cached(r, c) for r, c in self.jobs if not self._cached(r, c).is_file()]
+        missing = [f for f in (self._cached(r, c) for r, c in self.jobs) if not f.is_file()]
         if missing and shard.world > 1:
             print(f"[policy] {self.length} tokens: waiting for {len(missing)} scores the other processes run",
                   flush=True)  # fmt: skip
@@ -340,7 +342,7 @@ class LengthWork:
             self.length, bands, default, table,
             {"generator": "core_kv.eval.validation", "tasks": list(self.cfg.tasks), "per_task": self.per_task,
              "context_tokens": self.length, "seed": self.cfg.seed, "prompts": len(self.prompts),
-             "full_cache": scores["full"], "rule": RULE, "seconds": round(self.seconds, 1), "key": self.key(),
+             "full_cache": scores["full"], "rule": RULE, "seconds": round(self.seconds, 1), "key": self.claimed,
              **({"processes": shard.world} if shard.world > 1 else {})},
         )  # fmt: skip
 
