@@ -555,6 +555,16 @@ def complexity(options: PolicyOptions) -> int:
                 options.memory is not True))  # fmt: skip
 
 
+def serving_cost(options: PolicyOptions) -> int:
+    """What a composition adds to serving beyond one dense cache of the kept entries, in the units the policy stage's
+    rule compares (:func:`core_kv.eval.policy_stage.choose` prefers the cheapest of the candidates it cannot separate):
+    head-wise budgets 1 (a ragged cache: one attention call per KV head group), the repair pass 1 (a second scoring
+    pass at each event), the memory 2 (its readout in every decode step and its state beside the kept KV). Measured
+    on SmolLM2 at 2k / 50% (``benchmarks.core_profile``, results.md section 5): the readout 12.9 ms and the ragged
+    attention 10.8 ms of a 98.4 ms decode step, the memory state 28% of the kept KV."""
+    return int(options.head_budgets == "adaptive") + int(options.repair) + 2 * int(options.memory is not False)
+
+
 def bands_from_choices(choices: dict[float, PolicyOptions]) -> list[Band]:
     """Bands from the options chosen at each validation ratio: a band's edge is halfway between two validation
     ratios (0.5, 0.75, 0.9 give ``(0, 0.625]``, ``(0.625, 0.825]``, ``(0.825, 1)``)."""
@@ -566,5 +576,5 @@ def bands_from_choices(choices: dict[float, PolicyOptions]) -> list[Band]:
 __all__ = [
     "HEAD_BUDGETS", "HEAD_POOLS", "MIN_SEED", "OUTSIDE", "PAPER", "VALIDATION_TASKS", "Band", "InferencePolicy",
     "LengthBand", "PolicyOptions", "PolicyStageConfig", "bands_from_choices", "candidate_grid", "check_recipe_search",
-    "complexity",
+    "complexity", "serving_cost",
 ]  # fmt: skip

@@ -6,9 +6,9 @@ policy at each of its bands, ``build_press("core", checkpoint=..., compression_r
 fixed token ids), the original positions the scorer keeps after every eviction event, per KV head (``-1`` pads a
 ragged layer). The proxy cases run the spec-v1 proxy artifact (head-wise budgets); the SmolLM2 cases the shipped
 spec-v2 artifact at 768 tokens (twin and KeyDiff features; its policy's 1,024-token band: head-wise budgets without
-the memory at 50%, head-wise budgets + TwinKV's repair at 75%, head-shared selection at 90%), one-shot and chunked.
-Recorded at commit 7cde7b2 (the proxy cases) and again when the SmolLM2 policy gained its 1,024- and 4,096-token
-bands (issue 56; before, 768 tokens ran the 2,048-token band), with::
+the memory at 50%, head-shared selection at 75 / 90%), one-shot and chunked. Recorded at commit 7cde7b2; the SmolLM2
+policy's 1,024-token band ran repair at 75% for a while (the stage's rule before its one-standard-error form) and the
+file was re-recorded for it; the recording under today's policy is byte-identical to the first. With::
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python tests/test_core_kept.py --write
 """

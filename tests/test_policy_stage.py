@@ -21,6 +21,8 @@ from core_kv.policy import (
     PolicyStageConfig,
     bands_from_choices,
     candidate_grid,
+    complexity,
+    serving_cost,
 )
 from core_kv.presses import build_press
 
@@ -128,12 +130,56 @@ def test_evaluation_seeds_are_refused(seed, tok):
         PolicyStageConfig(seed=seed).check()
 
 
-def test_choice_is_accuracy_then_logprob_then_the_fewest_changes():
-    a, b, c = PAPER, PolicyOptions(memory=False), PolicyOptions(head_budgets="adaptive", head_pool="output")
-    s = lambda acc, lp: {"accuracy": acc, "logprob": lp}  # noqa: E731
-    assert stage.choose([(a, s(0.5, -1.0)), (b, s(0.6, -9.0)), (c, s(0.6, -2.0))]) == c
-    assert stage.choose([(a, s(0.5, -1.0)), (b, s(0.5, -1.0)), (c, s(0.5, -1.0))]) == a
-    assert stage.choose([(c, s(0.5, -1.0)), (b, s(0.5, -1.0))]) == b
+def test_choice_is_the_cheapest_within_one_standard_error():
+    a, b = PAPER, PolicyOptions(memory=False)
+    c = PolicyOptions(head_budgets="adaptive", head_pool="output", memory=False)
+    d = PolicyOptions(head_budgets="shared", memory=False)
+    assert [serving_cost(o) for o in (a, b, c, d)] == [2, 0, 1, 0]
+    s = lambda acc, lp, n=16: {"accuracy": acc, "logprob": lp, "n": n}  # noqa: E731
+    # se of 10/16 = sqrt(0.625 * 0.375 / 16) = 0.121: 9/16 is within it, 8/16 is not
+    assert stage.choose([(a, s(10 / 16, -0.3)), (c, s(9 / 16, -0.3)), (b, s(8 / 16, -0.1))]) == c
+    # cost before log-prob
+    assert stage.choose([(a, s(10 / 16, -0.3)), (c, s(9 / 16, -0.3)), (d, s(9 / 16, -0.9))]) == d
+    assert stage.choose([(a, s(10 / 16, -0.3)), (c, s(8 / 16, -0.3))]) == a  # two prompts behind: not tied
+    # more prompts narrow the tie: at n = 160, se = 0.038 and 0.55 is beyond it
+    assert stage.choose([(a, s(0.625, -0.3, 160)), (c, s(0.55, -0.3, 160))]) == a
+    # equally cheap: accuracy, then log-prob, then the fewest changes to the paper's press
+    assert stage.choose([(d, s(9 / 16, -0.3)), (b, s(10 / 16, -0.9))]) == b
+    assert stage.choose([(d, s(0.5, -1.0)), (b, s(0.5, -0.5))]) == b
+    assert stage.choose([(d, s(0.5, -1.0)), (b, s(0.5, -1.0))]) == b
+    # all correct: se = 0, only the best are tied
+    assert stage.choose([(a, s(1.0, -0.3)), (b, s(15 / 16, -0.1))]) == a
+    # no prompt answered: the log-prob, then the fewest changes (the old rule without accuracy)
+    assert stage.choose([(b, s(0.0, -1.0)), (c, s(0.0, -2.0))]) == b
+    assert stage.choose([(c, s(0.0, -1.0)), (b, s(0.0, -1.0)), (a, s(0.0, -1.0))]) == a
+
+
+def _naive_choose(results):
+    """The rule written out candidate by candidate (the reference for the property test)."""
+    top = max(r["accuracy"] for _, r in results)
+    if top == 0:
+        ranked = sorted(results, key=lambda x: (-x[1]["logprob"], complexity(x[0])))
+        return ranked[0][0]
+    n = next(r["n"] for _, r in results if r["accuracy"] == top)
+    width = (top * (1 - top) / n) ** 0.5
+    tied = []
+    for o, r in results:
+        if top - r["accuracy"] <= width + 1e-9:
+            tied.append((o, r))
+    tied.sort(key=lambda x: (serving_cost(x[0]), -x[1]["accuracy"], -x[1]["logprob"], complexity(x[0])))
+    return tied[0][0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_choice_matches_a_naive_reference(seed):
+    import random
+
+    rng = random.Random(seed)
+    grid = PolicyStageConfig().candidate_options()
+    n = rng.choice([8, 12, 16, 24])
+    results = [(o, {"accuracy": rng.randint(0, n) / n if seed % 5 else 0.0, "logprob": -rng.randint(1, 9) / 4, "n": n})
+               for o in rng.sample(grid, len(grid))]  # fmt: skip
+    assert stage.choose(results) == _naive_choose(results)
 
 
 def test_bands_split_halfway_and_the_press_applies_them(tmp_path, artifact):

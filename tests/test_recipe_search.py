@@ -32,7 +32,7 @@ def _record_scores(scores: dict[str, float]):
     def stage(cfg, summary):
         acc = scores[Path(cfg.out_dir).name]
         rows = [{"label": PAPER.describe(), "options": PAPER.to_dict(), "accuracy": acc, "logprob": -1.0, "n": 8},
-                {"label": other.describe(), "options": other.to_dict(), "accuracy": acc / 2, "logprob": -2.0, "n": 8}]  # fmt: skip
+                {"label": other.describe(), "options": other.to_dict(), "accuracy": 0.0, "logprob": -2.0, "n": 8}]  # fmt: skip
         band = LengthBand(256, [Band(0.825, PAPER, 0.75), Band(1.0, PAPER, 0.9)], 0,
                           {"0.75": rows, "0.9": rows}, {"key": {"prompts": "0123456789abcdef"}})  # fmt: skip
         record(Path(cfg.out_dir) / "final", InferencePolicy([band]))
