@@ -11,8 +11,10 @@ haystacks and seeds; no evaluation context is ever read), and the answer is scor
 - ``accuracy``: the share of prompts whose every answer token is the model's top-1 (what greedy decoding would emit);
 - ``logprob``: the mean log-probability of the answer tokens (averaged per prompt, then over prompts).
 
-The chosen composition at a ratio is the one of highest accuracy, then highest log-probability, then the fewest
-changes to the paper's press. Bands of ratios get the choice of their validation ratio (edges halfway between). All of
+The chosen composition at a ratio (:func:`choose`) is the cheapest to serve of those within one standard error of the
+highest accuracy (the one-SE rule: differences the prompts cannot resolve buy nothing, and the memory, head-wise
+budgets and the repair pass each cost decode time), then the highest accuracy, log-probability, the fewest changes to
+the paper's press. Bands of ratios get the choice of their validation ratio (edges halfway between). All of
 this is done at every validation length (``policy.lengths``, with ``policy.per_task`` prompts per task there: fewer at
 long lengths), which gives the policy one length band per length (:class:`~core_kv.policy.LengthBand`; the press runs
 the one nearest to a context's length); ``final/config.json`` records, per length, the bands, every candidate's
