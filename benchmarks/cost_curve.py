@@ -34,34 +34,35 @@ def exponent(lengths: list[int], times: list[float]) -> float:
 
 
 def merge(runs: list[dict]) -> list[dict]:
-    """Runs of the same model merged (e.g. one run for 4k-8k at every band, another for 16k at one band)."""
+    """Runs of the same model merged per (CORE band, length): each point keeps the times of the run that measured it,
+    its baselines (no compression, SnapKV at the band's ratio) included, so a ratio is always one of a side-by-side
+    run; a later run replaces an earlier one's point (e.g. a band re-measured after the policy changed)."""
     merged: dict[str, dict] = {}
     for run in runs:
-        m = merged.setdefault(run["model"], {"model": run["model"], "args": run["args"], "compositions": {},
-                                             "results": {}})  # fmt: skip
+        m = merged.setdefault(run["model"], {"model": run["model"], "args": run["args"], "points": {}})
         for label, by_length in run["compositions"].items():  # per CORE label: its composition at each length
-            m["compositions"].setdefault(label, {}).update(by_length)
-        for n, per in run["results"].items():
-            m["results"].setdefault(n, {}).update(per)
+            ratio = label.split("@")[1]
+            for n, per in run["results"].items():
+                if label in per:
+                    m["points"].setdefault(label, {})[int(n)] = {
+                        "composition": by_length[n], "none": per["none"]["prefill"], "prefill": per[label]["prefill"],
+                        "decode": per[label]["decode"], "snapkv": per[f"snapkv@{ratio}"]["decode"]}  # fmt: skip
     return list(merged.values())
 
 
 def growth(run: dict) -> list[dict]:
     """One row per CORE band of a (merged) ``cost_targets`` run: its ratios per length and the exponents."""
-    results = run["results"]
     out = []
-    for label, by_length in run["compositions"].items():
-        ratio = label.split("@")[1]
-        lengths = sorted(int(n) for n, per in results.items() if label in per)
-        composition = " / ".join(dict.fromkeys(by_length[str(n)] for n in lengths))  # one name unless bands differ
-        none = [results[str(n)]["none"]["prefill"] for n in lengths]
-        pre = [results[str(n)][label]["prefill"] for n in lengths]
-        dec = [results[str(n)][label]["decode"] for n in lengths]
-        snap = [results[str(n)][f"snapkv@{ratio}"]["decode"] for n in lengths]
+    for label, points in run["points"].items():
+        lengths = sorted(points)
+        pts = [points[n] for n in lengths]
+        composition = " / ".join(dict.fromkeys(p["composition"] for p in pts))  # one name unless bands differ
+        none, pre, dec = ([p[k] for p in pts] for k in ("none", "prefill", "decode"))
         out.append({
-            "model": run["model"], "shape": run["args"].get("model") is None, "ratio": float(ratio), "composition": composition, "lengths": lengths,
-            "prefill_ratio": [p / b for p, b in zip(pre, none, strict=True)],
-            "decode_ratio": [d / s for d, s in zip(dec, snap, strict=True)],
+            "model": run["model"], "shape": run["args"].get("model") is None, "ratio": float(label.split("@")[1]),
+            "composition": composition, "lengths": lengths,
+            "prefill_ratio": [p["prefill"] / p["none"] for p in pts],
+            "decode_ratio": [p["decode"] / p["snapkv"] for p in pts],
             "exp_prefill_none": exponent(lengths, none), "exp_prefill": exponent(lengths, pre),
             "exp_added": exponent(lengths, [p - b for p, b in zip(pre, none, strict=True)]),
             "exp_decode": exponent(lengths, dec),

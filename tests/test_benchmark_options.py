@@ -83,3 +83,15 @@ def test_cost_curve_merges_runs_of_length_keyed_compositions_and_fits_the_expone
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line == ("| m | 75% | shared, memory off / uniform, memory | 4k, 8k, 16k | 1.10 / 1.10 / 1.10 | "
                     "1.02 / 1.02 / 1.02 | 2.00 / 2.00 / 2.00 | 0.00 |")  # fmt: skip
+    # a later run re-measures only the 50% band at 8k, on a slower host (every time x 2): the 75% band's 8k point
+    # keeps its own run's baselines (1.10, not its core time over the later run's none)
+    slow = {"model": "m", "args": {"model": None}, "compositions": {"core@0.5": {"8192": "adaptive/output, memory off"}},
+            "results": {"8192": {"none": {"prefill": 2 * 8192**2 * 1e-6, "decode": 0.02},
+                                 "snapkv@0.5": {"prefill": 2 * 8192**2 * 1e-6, "decode": 0.02},
+                                 "core@0.5": {"prefill": 2.6 * 8192**2 * 1e-6, "decode": 0.0208}}}}  # fmt: skip
+    paths.append(tmp_path / "slow.json")
+    paths[-1].write_text(json.dumps(slow))
+    cost_curve.main([str(p) for p in paths])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "| 4k, 8k, 16k | 1.10 / 1.10 / 1.10 | 1.02 / 1.02 / 1.02 |" in lines[-2]
+    assert lines[-1].startswith("| m | 50% | adaptive/output, memory off | 8k | 1.30 | 1.04 |")
