@@ -204,9 +204,9 @@ def test_two_cpu_processes_match_one(toy_data, tmp_path):
     runs in fresh processes agreeing), so the comparison is between two fresh processes."""
     clean_out, out = tmp_path / "one", tmp_path / "two"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    one = subprocess.run([sys.executable, "eval.py", *eval_argv(toy_data, clean_out)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=240)  # fmt: skip
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    single = subprocess.run([sys.executable, "eval.py", *eval_argv(toy_data, clean_out)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
